@@ -1,0 +1,11 @@
+"""fuselm: fused Triton kernels for Hugging Face decoder LLMs, with PyTorch fallbacks.
+
+Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`).
+"""
+
+from fuselm.backend import get_backend, set_backend, use_backend
+from fuselm.ops.rms_norm import add_rms_norm, rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = ["rms_norm", "add_rms_norm", "get_backend", "set_backend", "use_backend"]

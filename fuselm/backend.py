@@ -1,0 +1,86 @@
+"""Which implementation an op runs: the fused Triton kernel or the PyTorch reference.
+
+One rule for every op, chosen by ``FUSELM_BACKEND`` (read at import) or :func:`set_backend`:
+
+- ``auto`` (default): CUDA tensors of a supported dtype run Triton; everything else (CPU, MPS,
+  float64, ...) runs the PyTorch reference, silently and correctly.
+- ``reference``: the PyTorch reference everywhere. Use it to check a model with fused kernels off.
+- ``triton``: Triton everywhere. CPU tensors need ``TRITON_INTERPRET=1`` set before fuselm is
+  imported; the kernels then run in Triton's interpreter (slow; how CPU-only CI checks them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _validated(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"FUSELM_BACKEND / backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_backend = _validated(os.environ.get("FUSELM_BACKEND", "auto").strip().lower() or "auto")
+
+
+def get_backend() -> str:
+    """The backend in force: 'auto', 'triton' or 'reference'."""
+    return _backend
+
+
+def set_backend(name: str) -> None:
+    """Set the backend for every op in this process (overrides ``FUSELM_BACKEND``)."""
+    global _backend
+    _backend = _validated(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``."""
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def runs_triton(*tensors: torch.Tensor) -> bool:
+    """Whether an op on these tensors takes the Triton path under the current backend.
+
+    The first tensor decides (the callers have already checked that all share device and dtype).
+    """
+    x = tensors[0]
+    if _backend == "reference":
+        return False
+    if _backend == "auto":
+        return x.is_cuda and x.dtype in TRITON_DTYPES
+    if x.dtype not in TRITON_DTYPES:
+        raise TypeError(
+            f"FUSELM_BACKEND=triton supports dtypes {TRITON_DTYPES}, got {x.dtype}; "
+            "use 'auto' to fall back to the PyTorch reference"
+        )
+    if not x.is_cuda and not INTERPRETING:
+        raise ValueError(
+            f"FUSELM_BACKEND=triton got a tensor on {x.device}: Triton runs on CUDA tensors, or on CPU "
+            "tensors only with TRITON_INTERPRET=1 set before importing fuselm"
+        )
+    return True
+
+
+def path_name(device: torch.device | str) -> str:
+    """Human-readable name of the path ops take for tensors on ``device`` (used by the demo)."""
+    device = torch.device(device)
+    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
+        return f"PyTorch reference on {device.type}"
+    if device.type == "cuda":
+        return f"Triton on {torch.cuda.get_device_name(device)}"
+    return "Triton interpreter on cpu"

@@ -1,0 +1,1 @@
+"""Op families: each file holds its Triton kernels, its PyTorch reference and its ``fuselm::`` ops."""

@@ -1,0 +1,69 @@
+"""Argument checks and Triton launch helpers shared by every op family."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from fuselm.backend import INTERPRETING
+
+
+def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = None) -> torch.Tensor:
+    """A floating-point tensor of the given rank, or a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if rank is not None and t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
+    if t.dim() < min_rank:
+        raise ValueError(f"{name} must have rank >= {min_rank}, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Every tensor in ``others`` is on ``reference``'s device and has its dtype."""
+    for name, t in others.items():
+        if t is None:
+            continue
+        if t.device != reference.device:
+            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+        if t.dtype != reference.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {reference_name} has dtype {reference.dtype}")
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+
+
+poison_outputs = False  # tests set this: kernel outputs start as NaN, so unwritten elements show
+
+
+def new_output(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output tensor for a kernel to fill (NaN-filled while ``poison_outputs``)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if poison_outputs else out
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as a 2-D [rows, x.shape[-1]] with unit column stride (copies only if it must)."""
+    if x.dim() == 0:
+        raise ValueError("expected a tensor of rank >= 1")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+def autotune(configs: list[triton.Config], key: list[str], **options):
+    """``triton.autotune`` on a GPU; under the interpreter, which cannot time, the first config."""
+    if not INTERPRETING:
+        return triton.autotune(configs=configs, key=key, **options)
+    pinned = {name: (lambda _args, v=value: v) for name, value in configs[0].kwargs.items()}
+    return triton.heuristics(pinned)

@@ -1,0 +1,393 @@
+"""RMSNorm and residual-add + RMSNorm: Triton kernels, PyTorch reference, ``fuselm::`` registration.
+
+y = (offset + w) * x / sqrt(mean(x^2) + eps), computed per row of the last dimension, with the
+casting of the model family that is being matched:
+
+- ``"llama"``: normalise in fp32, cast to the input dtype, then multiply by the weight (HF Llama,
+  Mistral, Qwen, Phi-3). Output dtype: ``promote_types(x.dtype, weight.dtype)``.
+- ``"gemma"``: everything in fp32, one cast to the input dtype at the end (HF Gemma 1/2/3, whose
+  weight is stored as ``w`` and used as ``1 + w``: pass ``offset=1.0``).
+- ``"none"``: the reference computes in the input dtype throughout; the kernel in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselm.backend import runs_triton
+from fuselm.ops._common import as_rows, autotune, check_same_device, check_tensor, new_output
+
+CASTINGS = ("llama", "gemma", "none")
+MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
+CHUNK_COLS = 4096
+
+
+# ----------------------------------------------------------------------------------- reference
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0,
+                       casting: str = "llama") -> Tensor:
+    """Plain PyTorch RMSNorm (the fallback and the test oracle). Shapes as :func:`rms_norm`."""
+    if casting == "none":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "llama":
+        return (offset + weight) * normed.to(x.dtype)
+    return (normed * (offset + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                           offset: float = 0.0, casting: str = "llama") -> tuple[Tensor, Tensor]:
+    """Plain PyTorch residual add then RMSNorm; returns (normed, sum)."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps, offset, casting), total
+
+
+# ----------------------------------------------------------------------------------- kernels
+def _prune_by_registers(configs, named_args, **kwargs):
+    block_n = {**named_args, **kwargs}["BLOCK_N"]
+    kept = [c for c in configs if c.kwargs["ROWS"] * block_n <= 16384]
+    return kept or configs[:1]
+
+
+_ROW_CONFIGS = [
+    triton.Config({"ROWS": rows}, num_warps=warps)
+    for rows, warps in [(1, 4), (1, 8), (2, 8), (4, 8), (1, 16), (4, 16), (8, 16)]
+]
+
+
+@triton.jit
+def _load_input(x_ptr, residual_ptr, sum_ptr, rows, cols, mask, stride_x, stride_residual, stride_sum,
+                HAS_RESIDUAL: tl.constexpr):
+    """x (plus residual, whose rounded sum is stored) as fp32, for one [rows, cols] tile."""
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + rows * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)  # the stored residual stream, rounded as PyTorch rounds x + r
+        tl.store(sum_ptr + rows * stride_sum + cols, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset,
+                  CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    normed = x * rstd
+    if CAST_NORMED:
+        normed = normed.to(INPUT_DTYPE).to(tl.float32)
+    tl.store(y_ptr + rows * stride_y + cols, (normed * weight).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@autotune(_ROW_CONFIGS, key=["n_cols", "HAS_RESIDUAL"], prune_configs_by={"early_config_prune": _prune_by_registers})
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, residual_ptr, weight_ptr, y_ptr, sum_ptr, rstd_ptr,
+    n_rows, n_cols, stride_x, stride_residual, stride_y, stride_sum, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    # Program owns ROWS rows. Reads x (and residual) once, writes y (and their sum) once, plus one
+    # fp32 rstd per row. Rows wider than BLOCK_N are read twice (sum of squares, then normalise).
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    row_ok = rows < n_rows
+    input_dtype = x_ptr.dtype.element_ty
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_ok & (cols < n_cols)
+        x = _load_input(x_ptr, residual_ptr, sum_ptr, rows, cols, mask, stride_x, stride_residual, stride_sum,
+                        HAS_RESIDUAL)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / n_cols + eps)
+        _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset, CAST_NORMED, input_dtype)
+    else:
+        sum_of_squares = tl.zeros([ROWS, 1], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_ok & (cols < n_cols)
+            x = _load_input(x_ptr, residual_ptr, sum_ptr, rows, cols, mask, stride_x, stride_residual,
+                            stride_sum, HAS_RESIDUAL)
+            sum_of_squares += tl.sum(x * x, axis=1, keep_dims=True)
+        rstd = tl.rsqrt(sum_of_squares / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_ok & (cols < n_cols)
+            if HAS_RESIDUAL:
+                x = tl.load(sum_ptr + rows * stride_sum + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset, CAST_NORMED,
+                          input_dtype)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy, stride_x, offset):
+    """(x, dy, offset + weight) as fp32 for one [rows, cols] tile."""
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    return x, dy, weight
+
+
+@triton.jit
+def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask, stride_dsum, stride_dx,
+              HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    """Stores dx for one tile; returns the tile's dweight column sums (fp32).
+
+    mean_dot is the row's mean of (dy * w) * normed: what dx loses to the norm's projection.
+    """
+    normed = x * rstd
+    dx = rstd * (dy * weight - normed * mean_dot)
+    if HAS_DSUM:
+        dx += tl.load(dsum_ptr + rows * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if CAST_NORMED:
+        normed = normed.to(INPUT_DTYPE).to(tl.float32)
+    return tl.sum(dy * normed, axis=0)
+
+
+@autotune(_ROW_CONFIGS, key=["n_cols", "HAS_DSUM"], prune_configs_by={"early_config_prune": _prune_by_registers})
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dweight_partial_ptr,
+    n_rows, n_cols, rows_per_program, stride_dy, stride_dsum, stride_x, stride_dx, offset,
+    HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    # Persistent program: owns one contiguous band of rows and one fp32 row of dweight partial sums.
+    # Reads x, dy (and dsum) once and writes dx once when a row fits in BLOCK_N. Wider rows are read
+    # twice (the row's mean_dot first, then dx), and their dweight partials accumulate in place in
+    # the program's own row of the zero-initialised partial buffer.
+    program = tl.program_id(0)
+    first_row = program * rows_per_program
+    partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
+    input_dtype = x_ptr.dtype.element_ty
+    block = tl.arange(0, BLOCK_N)
+    dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for band_row in range(0, rows_per_program, ROWS):
+        rows = (first_row + band_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        row_ok = (rows < n_rows) & (band_row + tl.arange(0, ROWS)[:, None] < rows_per_program)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        if SINGLE_PASS:
+            cols = block[None, :]
+            mask = row_ok & (cols < n_cols)
+            x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
+                                              stride_x, offset)
+            mean_dot = tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True) / n_cols
+            dweight += _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask, stride_dsum,
+                                 stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
+        else:
+            mean_dot = tl.zeros([ROWS, 1], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + block[None, :]
+                mask = row_ok & (cols < n_cols)
+                x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
+                                                  stride_x, offset)
+                mean_dot += tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True)
+            mean_dot = mean_dot / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + block[None, :]
+                mask = row_ok & (cols < n_cols)
+                x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
+                                                  stride_x, offset)
+                contribution = _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
+                                         stride_dsum, stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
+                col_ok = start + block < n_cols
+                chunk = partial_row + start + block
+                tl.store(chunk, tl.load(chunk, mask=col_ok) + contribution, mask=col_ok)
+    if SINGLE_PASS:
+        tl.store(partial_row + block, dweight, mask=block < n_cols)
+
+
+# ----------------------------------------------------------------------------------- launchers
+def _block_cols(n_cols: int) -> tuple[int, bool]:
+    if n_cols <= MAX_SINGLE_PASS_COLS:
+        return triton.next_power_of_2(n_cols), True
+    return CHUNK_COLS, False
+
+
+@functools.cache
+def _persistent_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _out_dtype(x: Tensor, weight: Tensor, casting: str) -> torch.dtype:
+    return x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+
+
+def _launch_fwd(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, offset: float,
+                casting: str) -> tuple[Tensor, Tensor | None, Tensor]:
+    x2 = as_rows(x)
+    residual2 = as_rows(residual) if residual is not None else None
+    n_rows, n_cols = x2.shape
+    y = new_output(x.shape, _out_dtype(x, weight, casting), x.device)
+    total = new_output(x.shape, x.dtype, x.device) if residual is not None else None
+    rstd = new_output(x.shape[:-1], torch.float32, x.device)
+    if n_rows == 0:
+        return y, total, rstd
+    y2 = y.view(-1, n_cols)
+    total2 = total.view(-1, n_cols) if total is not None else y2
+    block_n, single_pass = _block_cols(n_cols)
+    grid = lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)  # noqa: E731
+    _rms_norm_fwd_kernel[grid](
+        x2, residual2 if residual2 is not None else x2, weight.contiguous(), y2, total2, rstd,
+        n_rows, n_cols, x2.stride(0), (residual2 if residual2 is not None else x2).stride(0),
+        y2.stride(0), total2.stride(0), eps, offset,
+        HAS_RESIDUAL=residual is not None, CAST_NORMED=casting == "llama",
+        SINGLE_PASS=single_pass, BLOCK_N=block_n,
+    )
+    return y, total, rstd
+
+
+def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
+                offset: float, casting: str) -> tuple[Tensor, Tensor]:
+    x2, dy2 = as_rows(x), as_rows(dy)
+    dsum2 = as_rows(dsum) if dsum is not None else None
+    n_rows, n_cols = x2.shape
+    dx = new_output(x.shape, x.dtype, x.device)
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    block_n, single_pass = _block_cols(n_cols)
+    programs = min(_persistent_programs(x.device), n_rows)
+    if single_pass:
+        partial = new_output((programs, n_cols), torch.float32, x.device)
+    else:
+        partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
+    dx2 = dx.view(-1, n_cols)
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, partial,
+        n_rows, n_cols, triton.cdiv(n_rows, programs), dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),
+        dx2.stride(0), offset,
+        HAS_DSUM=dsum is not None, CAST_NORMED=casting == "llama",
+        SINGLE_PASS=single_pass, BLOCK_N=block_n,
+    )
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------------- registration
+@torch.library.custom_op("fuselm::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
+    y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
+    return y, rstd
+
+
+@torch.library.custom_op("fuselm::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
+                     casting: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _launch_fwd(x, residual, weight, eps, offset, casting)
+
+
+@torch.library.custom_op("fuselm::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
+                          offset: float, casting: str) -> tuple[Tensor, Tensor]:
+    return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, casting):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting)), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, casting):
+    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting))
+    return y, torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, dsum, x, weight, rstd, offset, casting):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_rms_norm(ctx, inputs, output):
+    x, weight, _, offset, casting = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.casting = offset, casting
+
+
+def _backward_rms_norm(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = torch.ops.fuselm.rms_norm_backward(dy, None, x, weight, rstd, ctx.offset, ctx.casting)
+    return dx, dweight, None, None, None
+
+
+def _setup_add_rms_norm(ctx, inputs, output):
+    _, _, weight, _, offset, casting = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.offset, ctx.casting = offset, casting
+
+
+def _backward_add_rms_norm(ctx, dy, dsum, _drstd):
+    total, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(total)
+    dx, dweight = torch.ops.fuselm.rms_norm_backward(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting)
+    return dx, dx, dweight, None, None, None
+
+
+_rms_norm_op.register_autograd(_backward_rms_norm, setup_context=_setup_rms_norm)
+_add_rms_norm_op.register_autograd(_backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+
+
+# ----------------------------------------------------------------------------------- public API
+def _check_norm_args(x: Tensor, weight: Tensor, casting: str, **others: Tensor) -> None:
+    check_tensor("x", x)
+    check_tensor("weight", weight, rank=1)
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if x.shape[-1] == 0:
+        raise ValueError("x must have a non-empty last (hidden) dimension")
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight has size {weight.shape[0]} but x's hidden size (last dim) is {x.shape[-1]}")
+    check_same_device("x", x, weight=weight)
+    for name, t in others.items():
+        check_tensor(name, t)
+        if t.shape != x.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}")
+        check_same_device("x", x, **{name: t})
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama") -> Tensor:
+    """RMSNorm over the last dimension.
+
+    Args:
+        x: [..., hidden], fp32/fp16/bf16 (any dtype on the reference path); any leading shape.
+        weight: [hidden], same device as x.
+        eps: added to mean(x^2) before the square root.
+        offset: the norm multiplies by ``offset + weight`` (Gemma: 1.0).
+        casting: ``"llama"``, ``"gemma"`` or ``"none"`` (module docstring).
+
+    Returns:
+        [..., hidden]; dtype x.dtype for ``"gemma"``, else ``promote_types(x.dtype, weight.dtype)``.
+    """
+    _check_norm_args(x, weight, casting)
+    if runs_triton(x):
+        return torch.ops.fuselm.rms_norm(x, weight, eps, offset, casting)[0]
+    return rms_norm_reference(x, weight, eps, offset, casting)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0,
+                 casting: str = "llama") -> tuple[Tensor, Tensor]:
+    """Residual add fused into RMSNorm: ``total = x + residual``; returns ``(rms_norm(total), total)``.
+
+    Args:
+        x, residual: [..., hidden], same shape, dtype and device.
+        weight, eps, offset, casting: as :func:`rms_norm`.
+
+    Returns:
+        (normed [..., hidden], total [..., hidden] in x.dtype). ``total`` is the new residual stream.
+    """
+    _check_norm_args(x, weight, casting, residual=residual)
+    if runs_triton(x):
+        y, total, _ = torch.ops.fuselm.add_rms_norm(x, residual, weight, eps, offset, casting)
+        return y, total
+    return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
+
+

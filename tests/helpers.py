@@ -1,0 +1,38 @@
+"""Shared checks: relative error against a float64 reference, with NaN never passing."""
+
+import torch
+
+# ‖out − ref‖ / ‖ref‖ that each dtype must reach against a float64 reference.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    if torch.isnan(out).any() and not torch.isnan(ref).any():
+        return float("nan")
+    denom = ref.norm()
+    return (out - ref).norm().item() / (denom.item() if denom > 0 else 1.0)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str = "output",
+                 scale: float = 1.0) -> None:
+    """out matches ref to the dtype's tolerance (times ``scale``); NaN in out never passes."""
+    err = rel_err(out, ref)
+    tol = TOLERANCE[dtype] * scale
+    assert err == err and err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e} ({dtype})"
+
+
+def float64_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().double().requires_grad_(t.requires_grad)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False, scale=1.0) -> torch.Tensor:
+    t = torch.randn(*shape, dtype=torch.float32, device=device) * scale
+    return t.to(dtype).requires_grad_(requires_grad)
+
+
+def grads(outputs, inputs, grad_outputs):
+    """Gradients of ``inputs`` for a backward pass fed ``grad_outputs`` (None where unused)."""
+    return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)

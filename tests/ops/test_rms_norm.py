@@ -1,0 +1,183 @@
+import pytest
+import torch
+
+import fuselm
+from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
+from tests.helpers import TOLERANCE, assert_close, float64_leaf, grads, randn
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CASTINGS = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)]
+SHAPES = [(0, 37), (3, 1), (5, 37), (4, 4097), (2, 3, 64), (2, 20000)]  # 20000 > one block: looped
+
+
+def _inputs(shape, dtype, device, residual=False):
+    x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
+    w = (1 + 0.3 * randn(shape[-1], device=device)).to(dtype).requires_grad_()
+    r = randn(*shape, dtype=dtype, device=device, requires_grad=True) if residual else None
+    return x, w, r
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("casting,offset", CASTINGS)
+def test_rms_norm_matches_float64(path, device, shape, dtype, casting, offset):
+    x, w, _ = _inputs(shape, dtype, device)
+    y = fuselm.rms_norm(x, w, 1e-6, offset, casting)
+    dy = randn(*shape, dtype=y.dtype, device=device)
+    dx, dw = grads(y, (x, w), dy)
+    x64, w64 = float64_leaf(x), float64_leaf(w)
+    y64 = rms_norm_reference(x64, w64, 1e-6, offset, casting)
+    dx64, dw64 = grads(y64, (x64, w64), dy.double())
+    assert y.dtype == dtype
+    assert_close(y, y64, dtype, "y")
+    if shape[-1] == 1:  # y = sign(x) * w: dx is ~eps/x^2, pure rounding noise relative to itself
+        assert (dx.double() - dx64).abs().max() <= 4 * TOLERANCE[dtype]
+    else:
+        assert_close(dx, dx64, dtype, "dx")
+    assert_close(dw, dw64, dtype, "dweight", scale=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting,offset", CASTINGS)
+def test_add_rms_norm_matches_float64(path, device, shape, dtype, casting, offset):
+    x, w, r = _inputs(shape, dtype, device, residual=True)
+    y, total = fuselm.add_rms_norm(x, r, w, 1e-5, offset, casting)
+    dy, dtotal = randn(*shape, dtype=dtype, device=device), randn(*shape, dtype=dtype, device=device)
+    dx, dr, dw = grads((y, total), (x, r, w), (dy, dtotal))
+    x64, r64, w64 = float64_leaf(x), float64_leaf(r), float64_leaf(w)
+    y64, total64 = add_rms_norm_reference(x64, r64, w64, 1e-5, offset, casting)
+    dx64, dr64, dw64 = grads((y64, total64), (x64, r64, w64), (dy.double(), dtotal.double()))
+    assert_close(y, y64, dtype, "y")
+    assert_close(total, total64, dtype, "sum")
+    assert_close(dx, dx64, dtype, "dx", scale=1 if shape[-1] > 1 else 3)  # n=1: only the dtotal path is left
+    assert_close(dr, dr64, dtype, "dresidual", scale=1 if shape[-1] > 1 else 3)
+    assert_close(dw, dw64, dtype, "dweight", scale=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_hf_casting_in_low_precision(path, device, dtype):
+    """Against the same-dtype reference (HF's own arithmetic), not only float64."""
+    x, w, _ = _inputs((6, 96), dtype, device)
+    for casting, offset in CASTINGS:
+        assert_close(fuselm.rms_norm(x, w, 1e-6, offset, casting), rms_norm_reference(x, w, 1e-6, offset, casting),
+                     dtype, casting, scale=0.5)
+
+
+def test_llama_casting_promotes_to_fp32_weight(path, device):
+    x = randn(4, 32, dtype=torch.bfloat16, device=device)
+    w = 1 + 0.1 * randn(32, device=device)
+    y = fuselm.rms_norm(x, w)
+    assert y.dtype == torch.float32
+    assert_close(y, rms_norm_reference(x.double(), w.double()), torch.bfloat16)
+    assert fuselm.rms_norm(x, w, casting="gemma").dtype == torch.bfloat16
+
+
+def test_non_contiguous_inputs(path, device):
+    base = randn(37, 8, 2, device=device)
+    x = base[..., 0].t()  # [8, 37], column stride 2 and row stride 1
+    residual = randn(37, 8, device=device).t()
+    w = 1 + 0.1 * randn(74, device=device)[::2]
+    assert_close(fuselm.rms_norm(x, w), rms_norm_reference(x.double(), w.double()), torch.float32)
+    y, total = fuselm.add_rms_norm(x, residual, w)
+    y64, total64 = add_rms_norm_reference(x.double(), residual.double(), w.double())
+    assert_close(y, y64, torch.float32)
+    assert_close(total, total64, torch.float32)
+
+
+def test_hidden_size_65536(path, device):
+    x, w, r = _inputs((2, 65536), torch.float32, device, residual=True)
+    y, total = fuselm.add_rms_norm(x, r, w)
+    y64, _ = add_rms_norm_reference(float64_leaf(x), float64_leaf(r), float64_leaf(w))
+    assert_close(y, y64, torch.float32)
+
+
+def test_inputs_are_not_mutated(path, device):
+    x, w, r = _inputs((4, 33), torch.float32, device, residual=True)
+    before = [t.detach().clone() for t in (x, w, r)]
+    y, total = fuselm.add_rms_norm(x, r, w)
+    grads((y, total), (x, r, w), (torch.ones_like(y), torch.ones_like(total)))
+    for t, b in zip((x, w, r), before):
+        assert torch.equal(t.detach(), b)
+
+
+def test_nan_and_inf_propagate(path, device):
+    x = randn(3, 16, device=device)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    w = torch.ones(16, device=device)
+    y, ref = fuselm.rms_norm(x, w), rms_norm_reference(x, w)
+    assert torch.isnan(y[0]).all() and torch.isnan(ref[0]).all()
+    assert torch.equal(torch.isnan(y[1]), torch.isnan(ref[1]))
+    assert torch.isfinite(y[2]).all()
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x, w: fuselm.rms_norm(x, w[:-1]), ValueError, "weight has size"),
+        (lambda x, w: fuselm.rms_norm(x, w[None]), ValueError, "weight must have rank 1"),
+        (lambda x, w: fuselm.rms_norm(x, w.to(torch.int32)), TypeError, "weight must be a floating-point"),
+        (lambda x, w: fuselm.rms_norm(x.tolist(), w), TypeError, "x must be a torch.Tensor"),
+        (lambda x, w: fuselm.rms_norm(x, w, casting="bert"), ValueError, "casting must be one of"),
+        (lambda x, w: fuselm.add_rms_norm(x, x[:, :-1], w), ValueError, "residual has shape"),
+        (lambda x, w: fuselm.add_rms_norm(x, x.double(), w), TypeError, "residual has dtype"),
+        (lambda x, w: fuselm.add_rms_norm(x, x.to("meta"), w), ValueError, "residual is on meta"),
+        (lambda x, w: fuselm.rms_norm(x, w.to("meta")), ValueError, "weight is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(call, error, match):
+    x, w = randn(4, 8), torch.ones(8)
+    with pytest.raises(error, match=match):
+        call(x, w)
+
+
+def test_torch_compile_fullgraph_traces_the_custom_ops(device):
+    x, w, r = _inputs((5, 48), torch.float32, device, residual=True)
+
+    def f(x, r, w):
+        y, total = fuselm.add_rms_norm(x, r, w)
+        return fuselm.rms_norm(y, w, casting="gemma", offset=1.0) + total
+
+    with fuselm.use_backend("triton"):
+        eager = f(x, r, w)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, r, w)
+        graph = torch._dynamo.explain(f)(x, r, w)
+    assert graph.graph_break_count == 0
+    assert_close(compiled, eager, torch.float32)
+    dx_c = grads(compiled, (x, r, w), torch.ones_like(compiled))
+    dx_e = grads(eager, (x, r, w), torch.ones_like(eager))
+    for a, b in zip(dx_c, dx_e):
+        assert_close(a, b, torch.float32)
+
+
+def test_triton_path_appears_in_profile(device):
+    x, w, _ = _inputs((4, 32), torch.float32, device)
+    with fuselm.use_backend("triton"), torch.profiler.profile() as prof:
+        fuselm.rms_norm(x, w).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert "fuselm::rms_norm" in names and "fuselm::rms_norm_backward" in names
+
+
+@pytest.mark.gpu
+def test_gpu_large_llama_shape():
+    x, w, r = _inputs((4096, 4096), torch.bfloat16, "cuda", residual=True)
+    y, total = fuselm.add_rms_norm(x, r, w)
+    dx, dr, dw = grads((y, total), (x, r, w), (torch.ones_like(y), torch.ones_like(total)))
+    x64, r64, w64 = float64_leaf(x), float64_leaf(r), float64_leaf(w)
+    y64, total64 = add_rms_norm_reference(x64, r64, w64)
+    dx64, _, dw64 = grads((y64, total64), (x64, r64, w64), (torch.ones_like(y64), torch.ones_like(total64)))
+    assert_close(y, y64, torch.bfloat16)
+    assert_close(dx, dx64, torch.bfloat16)
+    assert_close(dw, dw64, torch.bfloat16, scale=2)
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_elements():
+    cols = 4096
+    rows = 2**31 // cols + 3
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(cols, device="cuda", dtype=torch.bfloat16)
+    y = fuselm.rms_norm(x, w)
+    tail = slice(rows - 5, rows)
+    assert_close(y[tail], rms_norm_reference(x[tail].double(), w.double()), torch.bfloat16)
