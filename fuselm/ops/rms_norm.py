@@ -149,19 +149,28 @@ def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
     return tl.sum(dy * normed, axis=0)
 
 
-@autotune(_ROW_CONFIGS, key=["n_cols", "HAS_DSUM"], prune_configs_by={"early_config_prune": _prune_by_registers})
+MAX_PROGRAMS_PER_SM = 8
+_BWD_CONFIGS = [
+    triton.Config({"ROWS": rows, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
+    for rows, per_sm, warps in [(1, 2, 8), (1, 4, 8), (1, 8, 4), (2, 4, 8), (2, 8, 4), (4, 2, 16), (4, 4, 8)]
+]
+
+
+@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM"], prune_configs_by={"early_config_prune": _prune_by_registers},
+          restore_value=["dweight_partial_ptr"])  # wide rows accumulate into it: tuning runs must not
 @triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dweight_partial_ptr,
-    n_rows, n_cols, rows_per_program, stride_dy, stride_dsum, stride_x, stride_dx, offset,
+    n_rows, n_cols, stride_dy, stride_dsum, stride_x, stride_dx, offset,
     HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr,
-    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     # Persistent program: owns one contiguous band of rows and one fp32 row of dweight partial sums.
     # Reads x, dy (and dsum) once and writes dx once when a row fits in BLOCK_N. Wider rows are read
     # twice (the row's mean_dot first, then dx), and their dweight partials accumulate in place in
     # the program's own row of the zero-initialised partial buffer.
     program = tl.program_id(0)
+    rows_per_program = tl.cdiv(n_rows, tl.num_programs(0))
     first_row = program * rows_per_program
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
@@ -210,10 +219,8 @@ def _block_cols(n_cols: int) -> tuple[int, bool]:
 
 
 @functools.cache
-def _persistent_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _out_dtype(x: Tensor, weight: Tensor, casting: str) -> torch.dtype:
@@ -253,19 +260,23 @@ def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     block_n, single_pass = _block_cols(n_cols)
-    programs = min(_persistent_programs(x.device), n_rows)
+    sm_count = _sm_count(x.device)
+    # one fp32 row of dweight partial sums per program; the autotuner picks how many programs run
+    max_programs = min(sm_count * MAX_PROGRAMS_PER_SM, n_rows)
     if single_pass:
-        partial = new_output((programs, n_cols), torch.float32, x.device)
+        partial = new_output((max_programs, n_cols), torch.float32, x.device)
     else:
-        partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
+        partial = torch.zeros(max_programs, n_cols, dtype=torch.float32, device=x.device)
     dx2 = dx.view(-1, n_cols)
-    _rms_norm_bwd_kernel[(programs,)](
+    grid = lambda meta: (min(sm_count * meta["PROGRAMS_PER_SM"], n_rows),)  # noqa: E731
+    _rms_norm_bwd_kernel[grid](
         dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, partial,
-        n_rows, n_cols, triton.cdiv(n_rows, programs), dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),
+        n_rows, n_cols, dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),
         dx2.stride(0), offset,
         HAS_DSUM=dsum is not None, CAST_NORMED=casting == "llama",
         SINGLE_PASS=single_pass, BLOCK_N=block_n,
     )
+    partial = partial[: grid(_rms_norm_bwd_kernel.best_config.kwargs)[0]]
     return dx, partial.sum(0).to(weight.dtype)
 
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The one GPU command: GPU tests, then the kernel benchmarks; prints a short table last.
+#   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
+# Results go to $OUT (the device tool's return folder) or benchmarks/results/.
+set -uo pipefail
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel for the comparison
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -m pytest ${FUSELM_TESTS:-tests} -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 15
+only=${*:+--only $*}
+python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only 2>&1 | tee "$out/kernels.log"

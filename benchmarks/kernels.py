@@ -1,0 +1,292 @@
+"""Kernel benchmarks on one CUDA GPU: fuselm against HF eager, torch.compile and Liger-Kernel.
+
+Run on the GPU machine (``bash benchmarks/gpu_run.sh`` does it). Every figure is a median of
+``triton.testing.do_bench`` (CUDA events, after warm-up). Bandwidth figures count the fewest bytes
+each op must move (each input read once, each output written once); the formula is printed with
+the row. The copy-bandwidth and bf16-GEMM ceilings are measured in the same run.
+
+Writes a JSON file (default ``benchmarks/results/kernels-h200.json``) that ``report.py`` turns
+into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+from rich.console import Console
+from rich.table import Table
+
+import fuselm
+
+GB = 1e9
+BF16 = torch.bfloat16
+
+
+def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+
+
+def measure_copy_gbps() -> float:
+    src = torch.randn(2**29, device="cuda", dtype=BF16)  # 1 GiB
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
+
+
+def measure_gemm_tflops(n: int = 8192) -> float:
+    a, b = torch.randn(n, n, device="cuda", dtype=BF16), torch.randn(n, n, device="cuda", dtype=BF16)
+    return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+@dataclass
+class Case:
+    """One kernel at one shape: implementations to time, their inputs and the bytes they must move."""
+
+    kernel: str
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]]
+    impls: dict[str, Callable[..., object]]
+    fwd_bytes: int
+    fwd_formula: str
+    bwd_bytes: int | None  # extra bytes for the backward; None: no fwd+bwd row
+    bwd_formula: str = ""
+
+
+def _outputs(result: object) -> list[torch.Tensor]:
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
+    rows = []
+    for impl, fn in case.impls.items():
+        for pass_ in ("fwd", "fwd+bwd"):
+            if pass_ == "fwd+bwd" and case.bwd_bytes is None:
+                continue
+            inputs = case.make_inputs()
+            try:
+                if pass_ == "fwd":
+                    with torch.no_grad():
+                        ms = median_ms(lambda: fn(*inputs))
+                else:
+                    leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
+                    outs = _outputs(fn(*inputs))
+                    grads = [torch.randn_like(o) for o in outs]
+
+                    def step():
+                        torch.autograd.backward(_outputs(fn(*inputs)), grads)
+
+                    ms = median_ms(step, grad_to_none=leaves)
+            except Exception as exc:  # an anchor that cannot run this case is reported, not fatal
+                console.print(f"[yellow]{case.kernel} {pass_} {impl}: skipped ({type(exc).__name__}: {exc})")
+                continue
+            n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
+            formula = case.fwd_formula + (f" + {case.bwd_formula}" if pass_ == "fwd+bwd" else "")
+            gbps = n_bytes / (ms * 1e-3) / GB
+            rows.append({"kernel": case.kernel, "pass": pass_, "impl": impl, "ms": round(ms, 4),
+                         "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / copy_gbps, 1),
+                         "bytes": n_bytes, "formula": formula})
+    return rows
+
+
+def liger_ops() -> dict[str, Callable[..., object]]:
+    """Liger-Kernel's autograd functions when the wheel is importable, else {}."""
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except ImportError:
+        return {}
+    norms: dict[int, torch.nn.Module] = {}
+
+    def rms_norm(x, w):
+        if id(w) not in norms:
+            norms[id(w)] = LigerRMSNorm(w.shape[0], eps=1e-6).to(x.device, x.dtype)
+            norms[id(w)].weight = torch.nn.Parameter(w.detach())
+        return norms[id(w)](x)
+
+    return {
+        "rms_norm": rms_norm,
+        "add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", False),
+        "rope": lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin),
+        "swiglu": lambda a, b: LigerSiLUMulFunction.apply(a, b),
+        "linear_cross_entropy": lambda h, w, y: LigerFusedLinearCrossEntropyFunction.apply(h, w, y)[0],
+    }
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF LlamaRMSNorm.forward, as eager PyTorch."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(x.dtype)
+
+
+def hf_add_rms_norm(x, r, w):
+    total = r + x
+    return hf_rms_norm(total, w), total
+
+
+def hf_rope(q, k, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def hf_swiglu(a, b):
+    return F.silu(a) * b
+
+
+def hf_linear_cross_entropy(h, w, y):
+    return F.cross_entropy((h @ w.T).float(), y)
+
+
+def build_cases(liger: dict) -> list[Case]:
+    def impls(kernel, eager, ours):
+        table = {"fuselm": ours, "eager": eager, "compile": torch.compile(eager)}
+        if kernel in liger:
+            table["liger"] = liger[kernel]
+        return table
+
+    m, n = 16384, 4096
+    norm_tensor = m * n * 2  # bytes of one [M, N] bf16 tensor
+    b, hq, hk, s, d = 4, 32, 8, 4096, 128
+    qk_bytes = b * (hq + hk) * s * d * 2
+    i = 14336
+    glu_bytes = m * i * 2
+
+    def norm_inputs():
+        return (torch.randn(m, n, device="cuda", dtype=BF16), 1 + 0.1 * torch.randn(n, device="cuda", dtype=BF16))
+
+    def add_norm_inputs():
+        x, w = norm_inputs()
+        return x, torch.randn_like(x), w
+
+    def rope_inputs():
+        pos = torch.arange(s, device="cuda", dtype=torch.float32)
+        inv_freq = 1.0 / 500000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+        angles = torch.cat([torch.outer(pos, inv_freq)] * 2, dim=-1)[None]
+        return (torch.randn(b, hq, s, d, device="cuda", dtype=BF16), torch.randn(b, hk, s, d, device="cuda", dtype=BF16),
+                angles.cos().to(BF16), angles.sin().to(BF16))
+
+    def glu_inputs():
+        return torch.randn(m, i, device="cuda", dtype=BF16), torch.randn(m, i, device="cuda", dtype=BF16)
+
+    cases = [
+        Case("rms_norm", norm_inputs, impls("rms_norm", hf_rms_norm, fuselm.rms_norm),
+             2 * norm_tensor, "read x + write y (2·M·N·2 B)", 3 * norm_tensor, "read x, dy + write dx (3·M·N·2 B)"),
+        Case("add_rms_norm", add_norm_inputs, impls("add_rms_norm", hf_add_rms_norm, fuselm.add_rms_norm),
+             4 * norm_tensor, "read x, r + write y, sum (4·M·N·2 B)", 4 * norm_tensor,
+             "read sum, dy, dsum + write dx (4·M·N·2 B)"),
+    ]
+    if hasattr(fuselm, "rope"):
+        cases.append(Case("rope", rope_inputs, impls("rope", hf_rope, fuselm.rope), 2 * qk_bytes,
+                          "read q, k + write q, k", 2 * qk_bytes, "read dq, dk + write dq, dk"))
+    if hasattr(fuselm, "silu_mul"):
+        cases.append(Case("swiglu", glu_inputs, impls("swiglu", hf_swiglu, fuselm.silu_mul), 3 * glu_bytes,
+                          "read a, b + write c (3·M·I·2 B)", 5 * glu_bytes, "read a, b, dc + write da, db (5·M·I·2 B)"))
+    return cases
+
+
+def linear_cross_entropy_rows(liger: dict, gemm_tflops: float, console: Console) -> list[dict]:
+    """Fused linear cross-entropy, fwd+bwd, with peak extra memory, against its three GEMMs."""
+    tokens, hidden, vocab = 8192, 4096, 128256
+    h = torch.randn(tokens, hidden, device="cuda", dtype=BF16) * 0.5
+    w = torch.randn(vocab, hidden, device="cuda", dtype=BF16) * 0.02
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+    dlogits = torch.randn(tokens, vocab, device="cuda", dtype=BF16)
+    gemms_ms = (median_ms(lambda: h @ w.T) + median_ms(lambda: dlogits @ w) + median_ms(lambda: dlogits.T @ h))
+    del dlogits
+    flops = 3 * 2 * tokens * hidden * vocab
+    rows = [{"kernel": "linear_cross_entropy", "pass": "fwd+bwd", "impl": "3 GEMMs (cuBLAS)", "ms": round(gemms_ms, 3),
+             "tflops": round(flops / (gemms_ms * 1e-3) / 1e12, 1), "formula": "3 · 2·N·H·V FLOPs"}]
+    impls = {"eager": hf_linear_cross_entropy, "compile": torch.compile(hf_linear_cross_entropy)}
+    if hasattr(fuselm, "linear_cross_entropy"):
+        impls = {"fuselm": fuselm.linear_cross_entropy, **impls}
+    if "linear_cross_entropy" in liger:
+        impls["liger"] = liger["linear_cross_entropy"]
+    for impl, fn in impls.items():
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        try:
+            fn(hh, ww, y).backward()
+            hh.grad = ww.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn(hh, ww, y).backward()
+            torch.cuda.synchronize()
+            grads_bytes = hh.grad.nbytes + ww.grad.nbytes
+            peak_mb = (torch.cuda.max_memory_allocated() - base - grads_bytes) / 2**20
+            ms = median_ms(lambda: fn(hh, ww, y).backward(), grad_to_none=[hh, ww])
+        except Exception as exc:
+            console.print(f"[yellow]linear_cross_entropy {impl}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        rows.append({"kernel": "linear_cross_entropy", "pass": "fwd+bwd", "impl": impl, "ms": round(ms, 3),
+                     "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "vs_gemms": round(ms / gemms_ms, 3),
+                     "peak_mb": round(peak_mb, 1),
+                     "formula": "time vs the 3 GEMMs; peak_mb = max_allocated − allocated before − |dh| − |dW|"})
+    return rows
+
+
+def print_table(results: dict, console: Console) -> None:
+    table = Table(title=f"{results['gpu']}  copy {results['copy_gbps']:.0f} GB/s  "
+                        f"bf16 GEMM {results['gemm_tflops']:.0f} TFLOP/s")
+    for col in ("kernel", "pass", "impl", "ms", "GB/s", "% copy", "vs best anchor"):
+        table.add_column(col, justify="right" if col not in ("kernel", "pass", "impl") else "left")
+    for row in results["rows"]:
+        anchors = [r["ms"] for r in results["rows"] if r["kernel"] == row["kernel"] and r["pass"] == row["pass"]
+                   and r["impl"] in ("compile", "liger")]
+        vs = f"{min(anchors) / row['ms']:.2f}x" if anchors and row["impl"] == "fuselm" else ""
+        gbps = row.get("gbps", row.get("tflops", ""))
+        pct = row.get("pct_copy", row.get("peak_mb", ""))
+        table.add_row(row["kernel"], row["pass"], row["impl"], f"{row['ms']:.3f}", str(gbps), str(pct), vs)
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
+    parser.add_argument("--only", nargs="*", help="kernels to run (default: all)")
+    args = parser.parse_args()
+    console = Console(width=140)
+    torch.manual_seed(0)
+    copy_gbps, gemm_tflops = measure_copy_gbps(), measure_gemm_tflops()
+    liger = liger_ops()
+    results = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "liger": _version("liger-kernel"), "transformers": _version("transformers"), "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_gbps": round(copy_gbps, 1), "gemm_tflops": round(gemm_tflops, 1),
+        "method": "median of triton.testing.do_bench (CUDA events, warm-up 50 ms, 200 ms of repeats); bf16",
+        "rows": [],
+    }
+    for case in build_cases(liger):
+        if not args.only or case.kernel in args.only:
+            results["rows"] += time_case(case, copy_gbps, console)
+            torch.cuda.empty_cache()
+    if not args.only or "linear_cross_entropy" in args.only:
+        results["rows"] += linear_cross_entropy_rows(liger, gemm_tflops, console)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    for row in results["rows"]:
+        console.print(f"  {row['kernel']:<22}{row['pass']:<8}{row['impl']:<17}{row['formula']}")
+    print_table(results, console)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
