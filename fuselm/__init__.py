@@ -5,7 +5,8 @@ Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`).
 
 from fuselm.backend import get_backend, set_backend, use_backend
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
+from fuselm.ops.rope import rope
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "add_rms_norm", "get_backend", "set_backend", "use_backend"]
+__all__ = ["rms_norm", "add_rms_norm", "rope", "get_backend", "set_backend", "use_backend"]

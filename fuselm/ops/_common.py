@@ -47,6 +47,12 @@ def new_output(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: 
     return out.fill_(float("nan")) if poison_outputs else out
 
 
+def new_output_like(x: torch.Tensor) -> torch.Tensor:
+    """Like :func:`new_output`, in x's shape, dtype, device and (when x is dense) memory order."""
+    out = torch.empty_like(x, memory_format=torch.preserve_format)
+    return out.fill_(float("nan")) if poison_outputs else out
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as a 2-D [rows, x.shape[-1]] with unit column stride (copies only if it must)."""
     if x.dim() == 0:
