@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU command: GPU tests, then the kernel benchmarks; prints a short table last.
+# The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the end-to-end benchmark;
+# prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -10,6 +11,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-python3 -m pytest ${FUSELM_TESTS:-tests} -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 15
-only=${*:+--only $*}
-python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only 2>&1 | tee "$out/kernels.log"
+if [ "${FUSELM_TESTS:-tests}" != none ]; then
+  timeout "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests} -q -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu-tests.log" | tail -n 25
+fi
+if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
+  only=${*:+--only $*}
+  python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only 2>&1 | tee "$out/kernels.log"
+fi
+if [ "${FUSELM_E2E:-0}" = 1 ]; then
+  python3 benchmarks/e2e.py --out "$out/e2e-h200.json" 2>&1 | tee "$out/e2e.log"
+fi
