@@ -1,14 +1,20 @@
-"""Where does a fuselm op's time go: GPU kernel, or host overhead? (GPU machine only.)
+"""Where a fuselm call's time goes: GPU kernel or host (GPU machine only).
 
-For each op at the benchmark shape: median time of the public call, of the same call replayed
-from a CUDA graph (no host overhead), and the autotuner's chosen config.
+Part 1: per op at the benchmark shape, the median time of the public call and of the same call
+replayed from a CUDA graph (no host overhead). Part 2: host microseconds per call on a tiny tensor,
+peeling one layer at a time (public function, torch.ops custom op, launcher, bare kernel launch),
+and a cProfile of the public call.
 """
+
+import cProfile
+import pstats
+import time
 
 import torch
 import triton
 
 import fuselm
-from fuselm.ops import rms_norm as rms_norm_ops
+from fuselm.ops import glu, rms_norm
 
 BF16 = torch.bfloat16
 
@@ -18,8 +24,6 @@ def bench(fn):
 
 
 def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -31,27 +35,64 @@ def graphed(fn):
     return graph.replay
 
 
+def host_us(fn, calls=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def main():
     m, n = 16384, 4096
-    x = torch.randn(m, n, device="cuda", dtype=BF16)
-    r = torch.randn_like(x)
+    x, r, dy = (torch.randn(m, n, device="cuda", dtype=BF16) for _ in range(3))
     w = torch.randn(n, device="cuda", dtype=BF16)
-    dy = torch.randn_like(x)
+    a, b = torch.randn(m, 14336, device="cuda", dtype=BF16), torch.randn(m, 14336, device="cuda", dtype=BF16)
     _, rstd = torch.ops.fuselm.rms_norm(x, w, 1e-6, 0.0, "llama")
     cases = {
         "rms_norm fwd": lambda: fuselm.rms_norm(x, w),
         "add_rms_norm fwd": lambda: fuselm.add_rms_norm(x, r, w),
         "rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama"),
         "add_rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, r, x, w, rstd, 0.0, "llama"),
-        "copy x->y": lambda: torch.empty_like(x).copy_(x),
+        "silu_mul fwd": lambda: fuselm.silu_mul(a, b),
     }
     with torch.no_grad():
         for name, fn in cases.items():
-            eager = bench(fn)
-            replay = bench(graphed(fn))
-            print(f"{name:<22} call {eager * 1e3:8.1f} us   graph replay {replay * 1e3:8.1f} us")
-    for kernel in (rms_norm_ops._rms_norm_fwd_kernel, rms_norm_ops._rms_norm_bwd_kernel):
-        print(kernel.fn.__name__, "cache:", {k: str(v) for k, v in kernel.cache.items()})
+            fn()
+            print(f"{name:<22} call {bench(fn) * 1e3:8.1f} us   graph replay {bench(graphed(fn)) * 1e3:8.1f} us")
+        print("tuned:", {k: str(v) for k, v in rms_norm._rms_norm_bwd_kernel.cache.items()})
+
+        tiny_a, tiny_b = a[:1], b[:1]
+        out = torch.empty_like(tiny_a)
+        numel = tiny_a.numel()
+        glu._launch(glu._glu_fwd_kernel, [tiny_a, tiny_b], [out], "silu")
+        best = glu._glu_fwd_kernel.best_config
+
+        def bare():
+            glu._glu_fwd_kernel.fn[(triton.cdiv(numel, best.kwargs["BLOCK"]),)](
+                tiny_a, tiny_b, out, numel, numel, numel, numel, triton.next_power_of_2(numel), 0,
+                ACTIVATION="silu", **best.all_kwargs())
+        layers = {
+            "fuselm.silu_mul": lambda: fuselm.silu_mul(tiny_a, tiny_b),
+            "torch.ops.fuselm.glu": lambda: torch.ops.fuselm.glu(tiny_a, tiny_b, "silu"),
+            "launcher": lambda: glu._launch(glu._glu_fwd_kernel, [tiny_a, tiny_b], [out], "silu"),
+            "bare JIT launch, tuned config": lambda: bare(),
+            "torch silu*mul (2 kernels)": lambda: torch.nn.functional.silu(tiny_a) * tiny_b,
+            "fuselm.rms_norm": lambda: fuselm.rms_norm(x[:1], w),
+            "fuselm.add_rms_norm": lambda: fuselm.add_rms_norm(x[:1], r[:1], w),
+        }
+        for name, fn in layers.items():
+            print(f"host {name:<28} {host_us(fn):7.1f} us/call")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(500):
+            fuselm.add_rms_norm(x[:1], r[:1], w)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
