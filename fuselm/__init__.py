@@ -4,11 +4,12 @@ Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`).
 """
 
 from fuselm.backend import get_backend, set_backend, use_backend
+from fuselm.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "get_backend", "set_backend",
-           "use_backend"]
+__all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "cross_entropy", "linear_cross_entropy",
+           "get_backend", "set_backend", "use_backend"]

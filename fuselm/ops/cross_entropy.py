@@ -1,0 +1,565 @@
+"""Cross-entropy over a vocabulary, alone and fused with the LM head: Triton kernels, PyTorch
+reference, ``fuselm::`` registration.
+
+Per non-ignored token with (optionally soft-capped) logits z and lse = logsumexp(z):
+
+    loss = (1 - eps) * (lse - z[label]) + eps * (lse - mean(z)) + z_loss * lse^2
+
+which is ``F.cross_entropy(..., label_smoothing=eps)`` (what HF computes on fp32 logits) plus the
+z-loss. Soft-capping (Gemma 2's ``final_logit_softcapping``) replaces z by ``cap * tanh(z / cap)``
+first. Ignored tokens (label == ignore_index) contribute 0. ``reduction="mean"`` divides the sum by
+the count of non-ignored tokens, or by ``num_items`` when given (HF's ``num_items_in_batch``).
+
+:func:`linear_cross_entropy` never materialises the [N, V] logits: it walks the tokens in chunks of
+``chunk_tokens`` rows. Per chunk, cuBLAS computes the logits into one reused buffer, a Triton kernel
+turns each row into its loss and overwrites the buffer in place with d(loss)/d(logits), and cuBLAS
+folds that into d hidden (this chunk's rows) and d weight (accumulated over chunks). For "mean" and
+"sum" this happens in the forward pass with a unit upstream gradient, and the backward only scales
+the stored gradients by it (a 0-dim tensor). For "none" the upstream gradient differs per token and
+d weight cannot be rescaled after the fact, so the forward computes only the losses and the backward
+runs the chunk loop again with the per-token upstream gradients as the kernel's row scale.
+
+Nothing here synchronises with the host (the mean's divisor stays a device tensor), so both ops
+work under CUDA graphs and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselm.backend import runs_triton
+from fuselm.ops._common import as_rows, check_same, check_tensor, new_output
+
+REDUCTIONS = ("mean", "sum", "none")
+MAX_BLOCK_V = 4096  # vocabulary columns a program holds at a time; wider rows loop
+CHUNK_BYTES = 64 * 2**20  # default size of linear_cross_entropy's per-chunk logits buffer
+
+
+# ----------------------------------------------------------------------------------- reference
+def _reference_rows(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                    softcap: float | None, z_loss: float) -> tuple[Tensor, Tensor]:
+    """Per-token losses [N] and logsumexp [N] of [N, V] logits, in fp32 (fp64 for fp64 input)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    rows = F.cross_entropy(z, labels.long(), ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    lse = torch.logsumexp(z, dim=-1)
+    if z_loss:
+        rows = rows + torch.where(labels != ignore_index, z_loss * lse.square(), 0.0)
+    return rows, lse
+
+
+def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                            label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
+                            num_items: int | Tensor | None = None,
+                            return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Plain PyTorch cross-entropy (the fallback and the test oracle). Arguments as :func:`cross_entropy`."""
+    _check_cross_entropy_args(logits, labels)
+    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    rows, lse = _reference_rows(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index,
+                                label_smoothing, softcap, z_loss)
+    return _finish(rows, lse, labels, ignore_index, reduction, z_loss, num_items, return_z_loss)
+
+
+def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
+                                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                                   softcap: float | None = None, z_loss: float = 0.0,
+                                   num_items: int | Tensor | None = None, chunk_tokens: int | None = None,
+                                   return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Plain PyTorch ``cross_entropy(F.linear(hidden, weight, bias))``: materialises the logits in
+    hidden's dtype, as HF does, then computes the loss in fp32. ``chunk_tokens`` is accepted and unused."""
+    _check_linear_args(hidden, weight, labels, bias, chunk_tokens)
+    return cross_entropy_reference(F.linear(hidden, weight, bias), labels, ignore_index=ignore_index,
+                                   reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
+                                   z_loss=z_loss, num_items=num_items, return_z_loss=return_z_loss)
+
+
+# ----------------------------------------------------------------------------------- kernels
+@triton.jit
+def _softcap(z, cap):
+    """(cap * tanh(z / cap), its derivative 1 - tanh^2) in fp32, to a few ulp for every z.
+
+    |t| >= 1/4: tanh from e = exp(-2|t|) without cancellation; |t| < 1/4: its Taylor series, whose
+    next term is below 1e-8 relative there. The derivative 4e / (1 + e)^2 has no cancellation at all.
+    """
+    t = z / cap
+    e = tl.exp(-2.0 * tl.abs(t))
+    t2 = t * t
+    series = t * (1.0 + t2 * (-1.0 / 3 + t2 * (2.0 / 15 + t2 * (-17.0 / 315 + t2 * (62.0 / 2835)))))
+    large = (1.0 - e) / (1.0 + e)
+    tanh = tl.where(tl.abs(t) < 0.25, series, tl.where(t < 0, -large, large))
+    return cap * tanh, 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@triton.jit
+def _row_stats(row_ptr, label, n_cols, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over a row's logits: (lse, z[label], sum of z), fp32, with an online max."""
+    block = tl.arange(0, BLOCK_V)
+    row_max = tl.full((), float("-inf"), tl.float32)
+    exp_sum = tl.zeros((), tl.float32)
+    z_sum = tl.zeros((), tl.float32)
+    z_label = tl.zeros((), tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + block
+        mask = cols < n_cols
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z, _ = _softcap(z, softcap)
+        z = tl.where(mask, z, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(z, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a block of only -inf logits: no NaN
+        exp_sum = exp_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        row_max = new_max
+        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        z_label += tl.sum(tl.where(cols == label, z, 0.0), axis=0)
+    return row_max + tl.log(exp_sum), z_label, z_sum
+
+
+@triton.jit
+def _store_row_grad(src_ptr, dst_ptr, label, lse, scale, n_cols, label_smoothing, softcap, z_loss,
+                    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dst = scale * d(loss)/d(logits) for one row, recomputing softmax from src and lse.
+
+    d/dz_j = p_j * (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == label], times tanh's derivative
+    when soft-capped. dst may be src (in place): each block is read before it is written.
+    """
+    block = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + block
+        mask = cols < n_cols
+        z = tl.load(src_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z, dcap = _softcap(z, softcap)
+        dz = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / n_cols
+        dz -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+        if HAS_SOFTCAP:
+            dz *= dcap
+        tl.store(dst_ptr + cols, (dz * scale).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    logits_ptr, labels_ptr, loss_ptr, lse_ptr, scale_ptr,
+    n_cols, stride_logits, stride_scale, ignore_index, label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # Program owns one row: reads its V logits and label, writes its fp32 loss and lse. With
+    # WRITE_GRAD it reads the row a second time and overwrites it in place with
+    # scale[row] * d(loss)/d(logits) (linear_cross_entropy's private chunk buffer, never user data).
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_logits
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    lse, z_label, z_sum = _row_stats(row_ptr, label, n_cols, softcap, HAS_SOFTCAP, BLOCK_V)
+    # eps = 0 must not turn -inf logits (z_sum = -inf) into 0 * inf = NaN
+    smoothing = tl.where(label_smoothing > 0, label_smoothing * (lse - z_sum / n_cols), 0.0)
+    loss = (1.0 - label_smoothing) * (lse - z_label) + smoothing + z_loss * lse * lse
+    valid = label != ignore_index
+    in_range = (label >= 0) & (label < n_cols)
+    loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)  # a bad label shows as NaN
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    if WRITE_GRAD:
+        scale = 1.0
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + row * stride_scale)
+        scale = tl.where(valid, scale, 0.0)
+        _store_row_grad(row_ptr, row_ptr, label, lse, scale, n_cols, label_smoothing, softcap, z_loss,
+                        HAS_SOFTCAP, BLOCK_V)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    grad_ptr, logits_ptr, labels_ptr, lse_ptr, dlogits_ptr,
+    n_cols, stride_grad, stride_logits, stride_dlogits, ignore_index, label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # Program owns one row: reads its V logits once (plus label, lse and upstream gradient), writes
+    # its V dlogits once. Ignored rows get exact zeros whatever the upstream gradient holds.
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.where(label != ignore_index, tl.load(grad_ptr + row * stride_grad).to(tl.float32), 0.0)
+    _store_row_grad(logits_ptr + row * stride_logits, dlogits_ptr + row * stride_dlogits, label, lse, scale,
+                    n_cols, label_smoothing, softcap, z_loss, HAS_SOFTCAP, BLOCK_V)
+
+
+# ----------------------------------------------------------------------------------- launchers
+def _launch_config(n_cols: int) -> dict:
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+    return {"BLOCK_V": block_v, "num_warps": 16 if block_v >= 4096 else 8 if block_v >= 1024 else 4}
+
+
+def _row_stride(t: Tensor) -> int:
+    return 0 if t.dim() == 0 else t.stride(0)
+
+
+def _cross_entropy_rows(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                        softcap: float | None, z_loss: float, scale: Tensor | None = None, write_grad: bool = False,
+                        out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row loss and lse (fp32 [N], into ``out`` when given) of [N, V] logits; with ``write_grad``,
+    also overwrites the logits in place with ``scale * d(loss)/d(logits)`` (scale: 0-dim or [N]
+    fp32; None for 1)."""
+    n_rows, n_cols = logits.shape
+    if out is None:
+        out = new_output((n_rows,), torch.float32, logits.device), new_output((n_rows,), torch.float32, logits.device)
+    loss, lse = out
+    if n_rows == 0:
+        return loss, lse
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        logits, labels, loss, lse, scale if scale is not None else loss,
+        n_cols, logits.stride(0), _row_stride(scale) if scale is not None else 0,
+        ignore_index, label_smoothing, softcap or 1.0, z_loss,
+        HAS_SOFTCAP=softcap is not None, HAS_SCALE=scale is not None, WRITE_GRAD=write_grad,
+        **_launch_config(n_cols),
+    )
+    return loss, lse
+
+
+def _cross_entropy_dlogits(grad: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int,
+                           label_smoothing: float, softcap: float | None, z_loss: float) -> Tensor:
+    n_rows, n_cols = logits.shape
+    dlogits = new_output((n_rows, n_cols), logits.dtype, logits.device)
+    if n_rows == 0:
+        return dlogits
+    _cross_entropy_bwd_kernel[(n_rows,)](
+        grad, logits, labels, lse, dlogits,
+        n_cols, _row_stride(grad), logits.stride(0), dlogits.stride(0),
+        ignore_index, label_smoothing, softcap or 1.0, z_loss,
+        HAS_SOFTCAP=softcap is not None, **_launch_config(n_cols),
+    )
+    return dlogits
+
+
+def default_chunk_tokens(vocab_size: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk so that one chunk's [chunk, V] logits take about 64 MiB (a power of two)."""
+    fit = CHUNK_BYTES // (vocab_size * dtype.itemsize)
+    return 1 << (fit.bit_length() - 1) if fit else 1
+
+
+def _linear_cross_entropy_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                                 scale: Tensor | None, ignore_index: int, label_smoothing: float,
+                                 softcap: float | None, z_loss: float, chunk_tokens: int, grad_hidden: bool,
+                                 grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-row loss and lse (fp32 [N]) and, as asked, ``scale``-weighted gradients of their sum:
+    d hidden [N, H] (hidden's dtype), d weight [V, H] (weight's dtype), d bias [V] (bias's dtype);
+    an unrequested gradient is an empty [0] tensor.
+
+    Per chunk of C tokens: one [C, V] logits GEMM into a reused buffer (C*V elements written), the
+    kernel (reads them twice, writes them once in place), then the two gradient GEMMs read it.
+    """
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    weight = as_rows(weight)  # odd strides: one copy here rather than one inside every chunk's GEMMs
+    write_grad = grad_hidden or grad_weight or grad_bias
+    loss = new_output((n_rows,), torch.float32, hidden.device)
+    lse = new_output((n_rows,), torch.float32, hidden.device)
+    dhidden = new_output((n_rows, hidden_size) if grad_hidden else (0,), hidden.dtype, hidden.device)
+    dweight = torch.zeros((vocab_size, hidden_size) if grad_weight else (0,), dtype=weight.dtype, device=weight.device)
+    dbias = torch.zeros(vocab_size if grad_bias else 0, dtype=torch.float32, device=hidden.device)
+    buffer = torch.empty(min(chunk_tokens, n_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n_rows, chunk_tokens):
+        end = min(start + chunk_tokens, n_rows)
+        hidden_chunk, logits = hidden[start:end], buffer[: end - start]
+        if bias is None:
+            torch.mm(hidden_chunk, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden_chunk, weight.t(), out=logits)
+        chunk_scale = scale[start:end] if scale is not None and scale.dim() == 1 else scale
+        _cross_entropy_rows(logits, labels[start:end], ignore_index, label_smoothing, softcap, z_loss, chunk_scale,
+                            write_grad, out=(loss[start:end], lse[start:end]))
+        if grad_hidden:
+            torch.mm(logits, weight, out=dhidden[start:end])
+        if grad_weight:
+            dweight.addmm_(logits.t(), hidden_chunk)
+        if grad_bias:
+            dbias += logits.sum(0, dtype=torch.float32)
+    return loss, lse, dhidden, dweight, dbias.to(bias.dtype) if grad_bias else dbias
+
+
+# ----------------------------------------------------------------------------------- registration
+@torch.library.custom_op("fuselm::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                      softcap: float | None, z_loss: float) -> tuple[Tensor, Tensor]:
+    return _cross_entropy_rows(logits, labels.contiguous(), ignore_index, label_smoothing, softcap, z_loss)
+
+
+@torch.library.custom_op("fuselm::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(grad: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int,
+                               label_smoothing: float, softcap: float | None, z_loss: float) -> Tensor:
+    return _cross_entropy_dlogits(grad, logits, labels.contiguous(), lse, ignore_index, label_smoothing, softcap,
+                                  z_loss)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, labels, ignore_index, label_smoothing, softcap, z_loss):
+    rows = logits.new_empty(logits.shape[:1], dtype=torch.float32)
+    return rows, torch.empty_like(rows)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad, logits, labels, lse, ignore_index, label_smoothing, softcap, z_loss):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_cross_entropy(ctx, inputs, output):
+    logits, labels, *ctx.options = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+
+
+def _backward_cross_entropy(ctx, grad, _grad_lse):
+    logits, labels, lse = ctx.saved_tensors
+    dlogits = torch.ops.fuselm.cross_entropy_backward(grad, logits, labels, lse, *ctx.options)
+    return dlogits, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_backward_cross_entropy, setup_context=_setup_cross_entropy)
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                             divisor: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
+                             softcap: float | None, z_loss: float, chunk_tokens: int, grad_hidden: bool,
+                             grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse [N], d hidden, d weight, d bias) for a unit upstream gradient; the
+    gradients are computed here only for "mean" / "sum" (empty [0] tensors otherwise)."""
+    reduce = reduction != "none"
+    scale = divisor.reciprocal() if divisor is not None else None
+    rows, lse, dhidden, dweight, dbias = _linear_cross_entropy_chunks(
+        hidden, weight, bias, labels.contiguous(), scale, ignore_index, label_smoothing, softcap, z_loss,
+        chunk_tokens, reduce and grad_hidden, reduce and grad_weight, reduce and grad_bias)
+    loss = rows if not reduce else rows.sum() if divisor is None else rows.sum() / divisor
+    return loss, lse, dhidden, dweight, dbias
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy_backward", mutates_args=())
+def _linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                                      labels: Tensor, ignore_index: int, label_smoothing: float,
+                                      softcap: float | None, z_loss: float, chunk_tokens: int, grad_hidden: bool,
+                                      grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """reduction="none": the chunk loop again, each row's gradient scaled by its upstream ``grad``."""
+    _, _, dhidden, dweight, dbias = _linear_cross_entropy_chunks(
+        hidden, weight, bias, labels.contiguous(), grad.float(), ignore_index, label_smoothing, softcap, z_loss,
+        chunk_tokens, grad_hidden, grad_weight, grad_bias)
+    return dhidden, dweight, dbias
+
+
+def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+            weight.new_empty(weight.shape if grad_weight else (0,)),
+            bias.new_empty(bias.shape) if grad_bias else hidden.new_empty((0,), dtype=torch.float32))
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss,
+      chunk_tokens, grad_hidden, grad_weight, grad_bias):
+    reduce = reduction != "none"
+    rows = hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
+    loss = hidden.new_empty((), dtype=torch.float32) if reduce else torch.empty_like(rows)
+    return loss, rows, *_fake_grads(hidden, weight, bias, reduce and grad_hidden, reduce and grad_weight,
+                                    reduce and grad_bias)
+
+
+@_linear_cross_entropy_backward_op.register_fake
+def _(grad, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens,
+      grad_hidden, grad_weight, grad_bias):
+    return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+
+
+def _setup_linear_cross_entropy(ctx, inputs, output):
+    hidden, weight, bias, labels, _, ctx.reduction, *options, grad_hidden, grad_weight, grad_bias = inputs
+    ctx.options, ctx.wanted = options, (grad_hidden, grad_weight, grad_bias)
+    if ctx.reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, labels)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _backward_linear_cross_entropy(ctx, grad, *_unused_output_grads):
+    if ctx.reduction == "none":
+        grads = torch.ops.fuselm.linear_cross_entropy_backward(grad, *ctx.saved_tensors, *ctx.options, *ctx.wanted)
+    else:
+        grads = [g * grad for g in ctx.saved_tensors]
+    dhidden, dweight, dbias = (g if wanted else None for g, wanted in zip(grads, ctx.wanted))
+    return (dhidden, dweight, dbias) + (None,) * 11
+
+
+_linear_cross_entropy_op.register_autograd(_backward_linear_cross_entropy, setup_context=_setup_linear_cross_entropy)
+
+
+# ----------------------------------------------------------------------------------- public API
+def _check_options(reduction: str, label_smoothing: float, softcap: float | None, z_loss: float,
+                   num_items: int | Tensor | None) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not 0.0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"z_loss must be a non-negative finite number, got {z_loss}")
+    if num_items is None:
+        return
+    if reduction != "mean":
+        raise ValueError(f"num_items divides the 'mean' reduction only, but reduction is {reduction!r}")
+    if isinstance(num_items, Tensor):
+        if num_items.dim() != 0:
+            raise ValueError(f"num_items must be a 0-dim tensor or an int, got shape {tuple(num_items.shape)}")
+    elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral):
+        raise TypeError(f"num_items must be an int or a 0-dim tensor, got {type(num_items).__name__}")
+    elif num_items <= 0:
+        raise ValueError(f"num_items must be positive, got {num_items}")
+
+
+def _check_labels(labels: object, expected_shape: torch.Size, owner: str, owner_tensor: Tensor) -> None:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if labels.shape != expected_shape:
+        raise ValueError(f"labels has shape {tuple(labels.shape)} but {owner} has leading shape "
+                         f"{tuple(expected_shape)}")
+    if labels.device != owner_tensor.device:
+        raise ValueError(f"labels is on {labels.device} but {owner} is on {owner_tensor.device}")
+
+
+def _check_cross_entropy_args(logits: Tensor, labels: Tensor) -> None:
+    check_tensor("logits", logits)
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty last (vocabulary) dimension")
+    _check_labels(labels, logits.shape[:-1], "logits", logits)
+
+
+def _check_linear_args(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+                       chunk_tokens: int | None) -> None:
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight, rank=2)
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have a non-empty first (vocabulary) dimension")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight's hidden size (dim 1) is {weight.shape[1]} but hidden's (last dim) is "
+                         f"{hidden.shape[-1]}")
+    if bias is not None:
+        check_tensor("bias", bias, rank=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has size {bias.shape[0]} but weight's vocabulary size (dim 0) is {weight.shape[0]}")
+    check_same("hidden", hidden, weight=weight, bias=bias)
+    _check_labels(labels, hidden.shape[:-1], "hidden", hidden)
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+
+
+def _mean_divisor(valid: Tensor, num_items: int | Tensor | None) -> Tensor:
+    """0-dim fp32 device tensor: the count of non-ignored tokens, or num_items."""
+    if num_items is None:
+        return valid.sum().to(torch.float32)
+    if isinstance(num_items, Tensor):
+        return num_items.to(device=valid.device, dtype=torch.float32)
+    return torch.full((), float(num_items), dtype=torch.float32, device=valid.device)
+
+
+def _reduce(rows: Tensor, reduction: str, divisor: Tensor | None, shape: torch.Size) -> Tensor:
+    if reduction == "none":
+        return rows.view(shape)
+    return rows.sum() if divisor is None else rows.sum() / divisor.to(rows.dtype)
+
+
+def _z_loss_term(lse: Tensor, valid: Tensor, z_loss: float, reduction: str, divisor: Tensor | None,
+                 shape: torch.Size) -> Tensor:
+    """The z-loss part of the loss, reduced the same way, without gradient (for logging)."""
+    return _reduce(torch.where(valid, z_loss * lse.detach().square(), 0.0), reduction, divisor, shape)
+
+
+def _finish(rows: Tensor, lse: Tensor, labels: Tensor, ignore_index: int, reduction: str, z_loss: float,
+            num_items: int | Tensor | None, return_z_loss: bool) -> Tensor | tuple[Tensor, Tensor]:
+    valid = labels.reshape(-1) != ignore_index
+    divisor = _mean_divisor(valid, num_items) if reduction == "mean" else None
+    loss = _reduce(rows, reduction, divisor, labels.shape)
+    if not return_z_loss:
+        return loss
+    return loss, _z_loss_term(lse, valid, z_loss, reduction, divisor, labels.shape)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
+                  num_items: int | Tensor | None = None,
+                  return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of logits against integer labels (module docstring gives the formula).
+
+    Args:
+        logits: [..., V], fp32/fp16/bf16 (any dtype on the reference path), any strides. Not modified.
+        labels: [...] integer (int64 as HF passes them), same device; ``ignore_index`` marks ignored tokens.
+        ignore_index: label value whose tokens contribute nothing.
+        reduction: ``"mean"`` (sum / count of non-ignored tokens, or / num_items; NaN when every token
+            is ignored and num_items is None, as F.cross_entropy), ``"sum"``, or ``"none"``.
+        label_smoothing: eps in [0, 1], as in F.cross_entropy.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2); None: off.
+        z_loss: adds ``z_loss * logsumexp(logits)^2`` per non-ignored token.
+        num_items: "mean" only: divide by this (int, or 0-dim tensor: HF's num_items_in_batch) instead.
+        return_z_loss: also return the z-loss part, reduced the same way, without gradient (logging).
+
+    Returns:
+        fp32 loss: 0-dim for "mean"/"sum", [...] for "none" (0 at ignored tokens); with
+        ``return_z_loss``, ``(loss, z_loss_part)``. fp64 logits give fp64 (reference path).
+    """
+    _check_cross_entropy_args(logits, labels)
+    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    flat_labels = labels.reshape(-1)
+    if runs_triton(logits):
+        rows, lse = torch.ops.fuselm.cross_entropy(as_rows(logits), flat_labels, ignore_index, label_smoothing,
+                                                   softcap, z_loss)
+    else:
+        rows, lse = _reference_rows(logits.reshape(-1, logits.shape[-1]), flat_labels, ignore_index,
+                                    label_smoothing, softcap, z_loss)
+    return _finish(rows, lse, labels, ignore_index, reduction, z_loss, num_items, return_z_loss)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         softcap: float | None = None, z_loss: float = 0.0, num_items: int | Tensor | None = None,
+                         chunk_tokens: int | None = None,
+                         return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the [N, V] logits.
+
+    Args:
+        hidden: [..., H] final hidden states, fp32/fp16/bf16, any strides. Not modified.
+        weight: [V, H] LM-head weight (may be tied to the embedding), hidden's dtype and device.
+            When it does not require grad (frozen head, LoRA) its gradient is not computed.
+        labels: [...] integer, hidden's leading shape.
+        bias: [V] or None, hidden's dtype.
+        chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens` (a ~64 MiB logits buffer).
+        the rest: as :func:`cross_entropy`.
+
+    Returns:
+        As :func:`cross_entropy`. The logits are computed in hidden's dtype (cuBLAS), the loss in fp32.
+        Memory beyond inputs and outputs: one [chunk_tokens, V] buffer, plus for "mean"/"sum" the
+        gradients (d hidden [N, H], d weight [V, H]), computed during the forward pass.
+    """
+    _check_linear_args(hidden, weight, labels, bias, chunk_tokens)
+    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    if not runs_triton(hidden):
+        return linear_cross_entropy_reference(
+            hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, num_items=num_items,
+            return_z_loss=return_z_loss)
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    divisor = _mean_divisor(valid, num_items) if reduction == "mean" else None
+    grad_on = torch.is_grad_enabled()
+    loss, lse, *_ = torch.ops.fuselm.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, divisor, reduction, ignore_index,
+        label_smoothing, softcap, z_loss, chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad)
+    if reduction == "none":
+        loss = loss.view(labels.shape)
+    if not return_z_loss:
+        return loss
+    return loss, _z_loss_term(lse, valid, z_loss, reduction, divisor, labels.shape)
