@@ -235,7 +235,9 @@ def linear_cross_entropy_rows(liger: dict, gemm_tflops: float, console: Console)
              "tflops": round(flops / (gemms_ms * 1e-3) / 1e12, 1), "formula": "3 · 2·N·H·V FLOPs"}]
     impls = {"eager": hf_linear_cross_entropy, "compile": torch.compile(hf_linear_cross_entropy)}
     if hasattr(fuselm, "linear_cross_entropy"):
-        impls = {"fuselm": fuselm.linear_cross_entropy, **impls}
+        impls = {"fuselm": fuselm.linear_cross_entropy,
+                 "fuselm, 1024-token chunks": lambda h, w, y: fuselm.linear_cross_entropy(h, w, y, chunk_tokens=1024),
+                 **impls}
     if "linear_cross_entropy" in liger:
         impls["liger"] = liger["linear_cross_entropy"]
     for impl, fn in impls.items():
