@@ -78,6 +78,7 @@ class Case:
     fwd_formula: str
     bwd_bytes: int | None  # extra bytes for the backward; None: no fwd+bwd row
     bwd_formula: str = ""
+    grad_inputs: tuple[int, ...] | None = None  # which inputs get gradients (default: every float input)
 
 
 def _outputs(result: object) -> list[torch.Tensor]:
@@ -98,7 +99,8 @@ def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
                         call_ms = median_ms(lambda: fn(*inputs))
                         ms = graph_replay_ms(lambda: fn(*inputs))
                 else:
-                    leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
+                    wanted = case.grad_inputs or range(len(inputs))
+                    leaves = [inputs[i].requires_grad_() for i in wanted if inputs[i].is_floating_point()]
                     outs = _outputs(fn(*inputs))
                     grads = [torch.randn_like(o) for o in outs]
                     del outs
@@ -214,7 +216,8 @@ def build_cases(liger: dict) -> list[Case]:
     ]
     if hasattr(fuselm, "rope"):
         cases.append(Case("rope", rope_inputs, impls("rope", hf_rope, fuselm.rope), 2 * qk_bytes,
-                          "read q, k + write q, k", 2 * qk_bytes, "read dq, dk + write dq, dk"))
+                          "read q, k + write q, k", 2 * qk_bytes, "read dq, dk + write dq, dk",
+                          grad_inputs=(0, 1)))  # HF's cos/sin need no gradient
     if hasattr(fuselm, "silu_mul"):
         cases.append(Case("swiglu", glu_inputs, impls("swiglu", hf_swiglu, fuselm.silu_mul), 3 * glu_bytes,
                           "read a, b + write c (3·M·I·2 B)", 5 * glu_bytes, "read a, b, dc + write da, db (5·M·I·2 B)"))
