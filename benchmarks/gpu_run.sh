@@ -11,13 +11,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-if [ "${FUSELM_TESTS:-tests}" != none ]; then
-  timeout "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests} -q -p no:cacheprovider 2>&1 \
+if [ "${FUSELM_TESTS:-}" != none ]; then
+  timeout "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests -m gpu} -q -p no:cacheprovider 2>&1 \
     | tee "$out/gpu-tests.log" | tail -n 25
 fi
 if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
   only=${*:+--only $*}
-  python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only 2>&1 | tee "$out/kernels.log"
+  python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only ${FUSELM_MERGE:+--merge-into $FUSELM_MERGE} 2>&1 | tee "$out/kernels.log"
 fi
 if [ "${FUSELM_E2E:-0}" = 1 ]; then
   python3 benchmarks/e2e.py --out "$out/e2e-h200.json" 2>&1 | tee "$out/e2e.log"

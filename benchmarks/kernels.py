@@ -286,6 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     parser.add_argument("--only", nargs="*", help="kernels to run (default: all)")
+    parser.add_argument("--merge-into", help="an earlier results file: keep its rows for the kernels not run now")
     args = parser.parse_args()
     console = Console(width=140)
     torch.manual_seed(0)
@@ -306,11 +307,22 @@ def main() -> None:
             torch.cuda.empty_cache()
     if not args.only or "linear_cross_entropy" in args.only:
         results["rows"] += linear_cross_entropy_rows(liger, gemm_tflops, console)
+    if args.merge_into:
+        results = merged(json.load(open(args.merge_into)), results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     for row in results["rows"]:
         console.print(f"  {row['kernel']:<22}{row['pass']:<8}{row['impl']:<17}{row['formula']}")
     print_table(results, console)
+
+
+def merged(earlier: dict, now: dict) -> dict:
+    """``earlier`` with the rows of the kernels measured ``now`` replaced, and a note of the re-run."""
+    kernels = {row["kernel"] for row in now["rows"]}
+    rows = [row for row in earlier["rows"] if row["kernel"] not in kernels] + now["rows"]
+    reruns = earlier.get("reruns", []) + [{key: now[key] for key in ("date", "copy_gbps", "gemm_tflops", "torch",
+                                                                        "triton")} | {"kernels": sorted(kernels)}]
+    return earlier | {"rows": rows, "reruns": reruns}
 
 
 def _version(distribution: str) -> str | None:
