@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,11 @@ def median_ms(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> fl
         fn()
     times = []
     for _ in range(repeats):
+        if not torch.cuda.is_available():  # --smoke on a CPU: wall clock
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -33,6 +39,9 @@ def median_ms(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> fl
 
 
 def peak_gib(fn: Callable[[], object]) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fn()
@@ -40,15 +49,18 @@ def peak_gib(fn: Callable[[], object]) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def build(layers: int):
+def build(layers: int, smoke: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
+    shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8)
+    if smoke:  # a tiny model, to check this script on a machine without a GPU
+        shape = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
     return model.eval()
 
 
@@ -56,7 +68,8 @@ def measure(model, label: str, prefill: int, lora_tokens: int, decode_new: int) 
     from peft import LoraConfig, get_peft_model
 
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, prefill), device="cuda")
+    device = model.device
+    prompt = torch.randint(0, vocab, (1, prefill), device=device)
     out = {}
     with torch.no_grad():
         out["logits"] = model(prompt[:, :512]).logits[0, -8:].float()
@@ -68,7 +81,7 @@ def measure(model, label: str, prefill: int, lora_tokens: int, decode_new: int) 
     lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     lora.train()
-    ids = torch.randint(0, vocab, (1, lora_tokens), device="cuda")
+    ids = torch.randint(0, vocab, (1, lora_tokens), device=device)
 
     def step():
         lora(input_ids=ids, labels=ids).loss.backward()
@@ -90,8 +103,9 @@ def main() -> None:
     parser.add_argument("--lora-tokens", type=int, default=4096)
     parser.add_argument("--decode-new", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
-    model = build(args.layers)
+    model = build(args.layers, args.smoke)
     base = measure(model, "unpatched", args.prefill, args.lora_tokens, args.decode_new)
     report = fuselm.patch(model)
     print(report, flush=True)
@@ -105,7 +119,7 @@ def main() -> None:
                 else f"{fused[key] / base[key]:.2f}× memory"}
 
     results = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention",
         "rows": [
