@@ -66,6 +66,16 @@ def _activation_grad(g, s, ACTIVATION: tl.constexpr):
     return s + g * s * (1.0 - s) * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_CUBIC * g * g)
 
 
+@triton.jit
+def _program_block(n_cols, BLOCK: tl.constexpr):
+    """(row, first column, column offsets, mask) of the BLOCK columns this program owns."""
+    program = tl.program_id(0)
+    blocks_per_row = tl.cdiv(n_cols, BLOCK)
+    start = (program % blocks_per_row).to(tl.int64) * BLOCK
+    cols = tl.arange(0, BLOCK)
+    return (program // blocks_per_row).to(tl.int64), start, cols, cols < n_cols - start
+
+
 @autotune(_CONFIGS, key=["numel_bucket", "row_len"])
 @triton.jit
 def _glu_fwd_kernel(
@@ -77,12 +87,7 @@ def _glu_fwd_kernel(
     # Program owns BLOCK consecutive columns of one row; when every tensor is contiguous the
     # launcher passes the whole tensor as one row. Reads BLOCK of gate and up, writes BLOCK of out:
     # 3 * BLOCK * element_size bytes, each byte of each tensor touched by exactly one program.
-    program = tl.program_id(0)
-    blocks_per_row = tl.cdiv(n_cols, BLOCK)
-    row = (program // blocks_per_row).to(tl.int64)
-    start = (program % blocks_per_row).to(tl.int64) * BLOCK
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols - start
+    row, start, cols, mask = _program_block(n_cols, BLOCK)
     g = tl.load(gate_ptr + (row * stride_gate + start) + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + (row * stride_up + start) + cols, mask=mask, other=0.0).to(tl.float32)
     act, _ = _activation(g, ACTIVATION)
@@ -100,12 +105,7 @@ def _glu_bwd_kernel(
     # Program owns BLOCK consecutive columns of one row (or of the flat tensor). Reads BLOCK of
     # dout, gate and up; recomputes act(gate); writes BLOCK of dgate and dup (for the packed layout
     # these are the two halves of one gradient buffer): 5 * BLOCK * element_size bytes.
-    program = tl.program_id(0)
-    blocks_per_row = tl.cdiv(n_cols, BLOCK)
-    row = (program // blocks_per_row).to(tl.int64)
-    start = (program % blocks_per_row).to(tl.int64) * BLOCK
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols - start
+    row, start, cols, mask = _program_block(n_cols, BLOCK)
     dout = tl.load(dout_ptr + (row * stride_dout + start) + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + (row * stride_gate + start) + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + (row * stride_up + start) + cols, mask=mask, other=0.0).to(tl.float32)
