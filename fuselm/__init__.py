@@ -1,6 +1,7 @@
 """fuselm: fused Triton kernels for Hugging Face decoder LLMs, with PyTorch fallbacks.
 
-Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`).
+Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`). Model patching
+(``fuselm.patch``) needs transformers (``pip install fuselm[hf]``) and is imported on first use.
 """
 
 from fuselm.backend import get_backend, set_backend, use_backend
@@ -11,5 +12,15 @@ from fuselm.ops.rope import rope
 
 __version__ = "0.1.0"
 
+_PATCHING = ("patch", "unpatch", "patched", "PatchReport")
+
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "cross_entropy", "linear_cross_entropy",
-           "get_backend", "set_backend", "use_backend"]
+           "get_backend", "set_backend", "use_backend", *_PATCHING]
+
+
+def __getattr__(name: str):
+    if name in _PATCHING:
+        from fuselm import patching
+
+        return getattr(patching, name)
+    raise AttributeError(f"module 'fuselm' has no attribute {name!r}")

@@ -75,12 +75,13 @@ def run(device: str | None = None, layers: int = 4, batch: int = 2, seq: int = 2
 
     def generate():
         with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
     results = {}
     for label in ("HF eager", "fuselm"):
         if label == "fuselm":
-            console.print(fuselm.patch(model))
+            console.print(str(fuselm.patch(model)), highlight=False)
         results[label] = {"logits": forward().float(), "tokens": generate(),
                           "forward_s": median_seconds(forward, dev, repeats),
                           "generate_s": median_seconds(generate, dev, max(1, repeats // 2))}
@@ -96,6 +97,9 @@ def run(device: str | None = None, layers: int = 4, batch: int = 2, seq: int = 2
     for key, what in (("forward_s", f"forward {batch}×{seq} (ms)"), ("generate_s", f"generate {new_tokens} tokens (ms)")):
         table.add_row(what, f"{ref[key] * 1e3:.2f}", f"{ours[key] * 1e3:.2f}", f"{ref[key] / ours[key]:.2f}×")
     console.print(table)
+    if not fuselm.backend.runs_triton(tokens.new_empty(0, dtype=dtype)):
+        console.print("(the fused kernels need a CUDA GPU: here fuselm ran its PyTorch references, so the timings "
+                      "show no speed-up, only that the patched model computes the same)")
     console.print(f"logits relative error {error:.2e} (allowed {LOGIT_TOLERANCE[dtype]:.0e}): "
                   + ("[green]match[/]" if logits_ok else "[red]MISMATCH[/]"))
     console.print("greedy tokens: " + ("[green]identical[/]" if same_tokens else "[yellow]differ[/]"))

@@ -306,13 +306,13 @@ def _(x, weight, eps, offset, casting):
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset, casting):
-    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting))
-    return y, torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting))  # contiguous, as the launcher allocates
+    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @_rms_norm_backward_op.register_fake
 def _(dy, dsum, x, weight, rstd, offset, casting):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, as the launcher allocates
 
 
 def _setup_rms_norm(ctx, inputs, output):

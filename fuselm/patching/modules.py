@@ -1,0 +1,218 @@
+"""The fused forwards that :func:`fuselm.patch` gives a model's modules.
+
+Each is a mixin placed in front of an HF class in a subclass made once per class (see ``patch.py``);
+it reads the module's own submodules and parameters, so LoRA layers, quantised linears and PEFT
+wrappers keep working. The specs (``_fuselm_norm``, ``_fuselm_mlp``, ``_fuselm_layer``) are class
+attributes of those subclasses.
+
+Residual add + RMSNorm at the decoder layer: the add after attention and the norm that follows run
+as one ``add_rms_norm``. The add after the MLP and the next layer's input norm do too: layer i
+computes both and returns the sum (the true hidden state, which hooks and ``output_hidden_states``
+see), *primed* with the normed result for that one norm module; the norm uses it only if it receives
+that very tensor unmodified (same object, same version counter), else it computes as usual. Priming
+is off under gradient checkpointing (a recomputed layer must save what its first run saved), under
+torch.compile and in inference mode (neither has version counters to read); the add after attention
+stays fused there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from fuselm.ops.glu import gelu_tanh_mul, silu_mul
+from fuselm.ops.rms_norm import add_rms_norm, rms_norm
+from fuselm.ops.rope import rope
+
+_PRIMED = "_fuselm_primed"  # on a residual-stream tensor: (norm module, tensor version, normed tensor)
+NEXT_NORM = "_fuselm_next_norm"  # in a decoder layer's __dict__: (owner module, attribute) of the next norm
+
+
+def _promoted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """a and b in their common dtype, as PyTorch promotes ``a + b`` (e.g. a bf16 branch, an fp32 residual)."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__)
+
+
+# ----------------------------------------------------------------------------------- RMSNorm
+@dataclass(frozen=True)
+class NormSpec:
+    eps_attr: str  # "variance_epsilon" (Llama-like) or "eps" (Gemma-like)
+    casting: str
+    offset: float
+
+
+class FusedRMSNorm:
+    """RMSNorm as ``fuselm.rms_norm`` with the family's casting and offset."""
+
+    _fuselm_norm: NormSpec
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        """hidden_states: [..., hidden] -> [..., hidden] (dtype as the HF class returns it)."""
+        primed = _take_primed(hidden_states, self)
+        if primed is not None:
+            return primed
+        spec = self._fuselm_norm
+        return rms_norm(hidden_states, self.weight, getattr(self, spec.eps_attr), spec.offset, spec.casting)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm(residual + x), residual + x) in one ``add_rms_norm``; x, residual: [..., hidden]."""
+        spec = self._fuselm_norm
+        x, residual = _promoted(x, residual)
+        return add_rms_norm(x, residual, self.weight, getattr(self, spec.eps_attr), spec.offset, spec.casting)
+
+
+def _fusable(norm: nn.Module) -> bool:
+    """Whether ``norm(x + residual)`` may run as ``norm.add_forward``: a fused norm that no hook watches."""
+    return isinstance(norm, FusedRMSNorm) and not _hooked(norm)
+
+
+def _take_primed(hidden_states: Tensor, norm: nn.Module) -> Tensor | None:
+    if torch.compiler.is_compiling():
+        return None
+    primed = getattr(hidden_states, _PRIMED, None)
+    if primed is None:
+        return None
+    delattr(hidden_states, _PRIMED)
+    owner, version, normed = primed
+    return normed if owner is norm and version == hidden_states._version else None
+
+
+def add_then_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """(norm(residual + x), residual + x): fused when ``norm`` allows it, else as HF computes it."""
+    if _fusable(norm):
+        return norm.add_forward(x, residual)
+    total = residual + x
+    return norm(total), total
+
+
+# ----------------------------------------------------------------------------------- gated MLP
+_GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    inputs: tuple[str, ...]  # (gate, up) projections, or one packed [gate | up] projection
+    output: str
+    activation: str  # a key of _GATED
+
+
+def gated_mlp(mlp: nn.Module, spec: MlpSpec, x: Tensor) -> Tensor:
+    """``output(act(gate(x)) * up(x))`` through ``mlp``'s own projections; x: [..., hidden] -> [..., hidden]."""
+    gated = _GATED[spec.activation]
+    if len(spec.inputs) == 1:
+        hidden = gated(getattr(mlp, spec.inputs[0])(x))
+    else:
+        gate = getattr(mlp, spec.inputs[0])(x)
+        hidden = gated(*_promoted(gate, getattr(mlp, spec.inputs[1])(x)))
+    return getattr(mlp, spec.output)(hidden)
+
+
+class FusedGatedMLP:
+    """The gated MLP with the activation and the product in one fused op (:func:`gated_mlp`)."""
+
+    _fuselm_mlp: MlpSpec
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gated_mlp(self, self._fuselm_mlp, x)
+
+
+# ----------------------------------------------------------------------------------- RoPE
+_LAYOUTS = {1: "bhsd", 2: "bshd"}  # HF's unsqueeze_dim -> where the heads axis of q and k is
+
+
+def _rope_fits(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str, partial: bool) -> bool:
+    """Whether fuselm.rope computes exactly what HF's apply_rotary_pos_emb would for these tensors."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+        return False
+    if k.dtype != q.dtype or sin.dtype != cos.dtype or not (q.is_floating_point() and cos.is_floating_point()):
+        return False
+    if k.device != q.device or cos.device != q.device or sin.device != q.device:
+        return False
+    seq_axis = 2 if layout == "bhsd" else 1
+    batch, seq_len, head_dim = q.shape[0], q.shape[seq_axis], q.shape[3]
+    if (k.shape[0], k.shape[seq_axis], k.shape[3]) != (batch, seq_len, head_dim):
+        return False
+    rotary_dim = cos.shape[-1]
+    return (cos.shape[0] in (1, batch) and cos.shape[1] == seq_len and rotary_dim % 2 == 0
+            and 0 < rotary_dim <= head_dim and (partial or rotary_dim == head_dim))
+
+
+def fused_apply_rotary_pos_emb(original, partial: bool):
+    """A drop-in for an HF ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` running fuselm.rope.
+
+    ``partial``: whether ``original`` rotates only the first cos.shape[-1] dims (Phi-3); if not, calls
+    with a narrower cos go to ``original``, as does any call fuselm.rope cannot honour exactly.
+    """
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        layout = _LAYOUTS.get(unsqueeze_dim)
+        if layout is None or not _rope_fits(q, k, cos, sin, layout, partial):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        work = torch.promote_types(q.dtype, cos.dtype)  # HF's q * cos promotes (fp32 cos under autocast)
+        return rope(q.to(work), k.to(work), cos, sin, layout=layout)
+
+    return apply_rotary_pos_emb
+
+
+# ----------------------------------------------------------------------------------- decoder layer
+@dataclass(frozen=True)
+class LayerSpec:
+    positional: tuple[str, ...]  # the HF forward's parameters after hidden_states, to name positional args
+    attention_defaults: tuple[tuple[str, object], ...]  # HF's layer defaults for what self_attn requires
+    sandwich_norms: bool
+    residual_dropouts: tuple[str, str] | None
+
+
+class FusedDecoderLayer:
+    """The pre-norm decoder layer with each residual add fused into the RMSNorm that follows it.
+
+    Everything but hidden_states goes to ``self_attn`` unchanged (so both ``past_key_values`` and
+    ``cache`` pass through), plus the HF layer's defaults for the arguments ``self_attn`` requires; the
+    return value is the new residual stream, as HF's layer returns it.
+    """
+
+    _fuselm_layer: LayerSpec
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        """hidden_states: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        spec = self._fuselm_layer
+        kwargs.update(zip(spec.positional, args))
+        for name, default in spec.attention_defaults:
+            kwargs.setdefault(name, default)
+        residual = hidden_states
+        attn_out = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+        if spec.sandwich_norms:
+            attn_out = self.post_attention_layernorm(attn_out)
+            mlp_norm = self.pre_feedforward_layernorm
+        else:
+            mlp_norm = self.post_attention_layernorm
+        mlp_in, residual = add_then_norm(mlp_norm, self._residual_branch(attn_out, 0), residual)
+        mlp_out = self.mlp(mlp_in)
+        if spec.sandwich_norms:
+            mlp_out = self.post_feedforward_layernorm(mlp_out)
+        return self._add_and_prime(self._residual_branch(mlp_out, 1), residual)
+
+    def _residual_branch(self, branch: Tensor, index: int) -> Tensor:
+        dropouts = self._fuselm_layer.residual_dropouts
+        return getattr(self, dropouts[index])(branch) if dropouts else branch
+
+    def _add_and_prime(self, branch: Tensor, residual: Tensor) -> Tensor:
+        """residual + branch, primed with the next norm's output when that norm can take it."""
+        if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # no version counters there
+                or (getattr(self, "gradient_checkpointing", False) and self.training)):
+            return residual + branch
+        link = self.__dict__.get(NEXT_NORM)
+        norm = getattr(*link, None) if link is not None else None
+        if norm is None or not isinstance(norm, FusedRMSNorm):
+            return residual + branch
+        normed, total = norm.add_forward(branch, residual)
+        setattr(total, _PRIMED, (norm, total._version, normed))
+        return total
