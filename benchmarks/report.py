@@ -40,6 +40,7 @@ def kernel_section(results: dict) -> list[str]:
             met = "yes" if ok else "no"
         lines.append(f"| {row['kernel']} | {row['pass']} | {row['impl']} | {row['ms']:.3f} | {row['gbps']:.0f} | "
                      f"{row['pct_copy']:.1f} | {speedup} | {met} | {row.get('call_ms', float('nan')):.3f} | {row['formula']} |")
+    lines += [""] + [f"Note: {note}" for note in results.get("notes", [])]
     ce = [r for r in results["rows"] if r["kernel"] == "linear_cross_entropy"]
     if ce:
         lines += ["", "### Linear + cross-entropy, fwd+bwd (8192 tokens × 4096 hidden × 128256 vocab, bf16)", "",
