@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import as_rows, check_same, check_tensor, new_output
+from fuselm.ops._common import FusedOp, as_rows, check_same, check_tensor, new_output
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK_V = 4096  # vocabulary columns a program holds at a time; wider rows loop
@@ -287,27 +287,23 @@ def _linear_cross_entropy_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | 
 
 
 # ----------------------------------------------------------------------------------- registration
-@torch.library.custom_op("fuselm::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+def _cross_entropy_impl(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
                       softcap: float | None, z_loss: float) -> tuple[Tensor, Tensor]:
     return _cross_entropy_rows(logits, labels.contiguous(), ignore_index, label_smoothing, softcap, z_loss)
 
 
-@torch.library.custom_op("fuselm::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(grad: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int,
+def _cross_entropy_backward_impl(grad: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int,
                                label_smoothing: float, softcap: float | None, z_loss: float) -> Tensor:
     return _cross_entropy_dlogits(grad, logits, labels.contiguous(), lse, ignore_index, label_smoothing, softcap,
                                   z_loss)
 
 
-@_cross_entropy_op.register_fake
-def _(logits, labels, ignore_index, label_smoothing, softcap, z_loss):
+def _cross_entropy_fake(logits, labels, ignore_index, label_smoothing, softcap, z_loss):
     rows = logits.new_empty(logits.shape[:1], dtype=torch.float32)
     return rows, torch.empty_like(rows)
 
 
-@_cross_entropy_backward_op.register_fake
-def _(grad, logits, labels, lse, ignore_index, label_smoothing, softcap, z_loss):
+def _cross_entropy_backward_fake(grad, logits, labels, lse, ignore_index, label_smoothing, softcap, z_loss):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -318,15 +314,17 @@ def _setup_cross_entropy(ctx, inputs, output):
 
 def _backward_cross_entropy(ctx, grad, _grad_lse):
     logits, labels, lse = ctx.saved_tensors
-    dlogits = torch.ops.fuselm.cross_entropy_backward(grad, logits, labels, lse, *ctx.options)
+    dlogits = CROSS_ENTROPY_BACKWARD(grad, logits, labels, lse, *ctx.options)
     return dlogits, None, None, None, None, None
 
 
-_cross_entropy_op.register_autograd(_backward_cross_entropy, setup_context=_setup_cross_entropy)
+CROSS_ENTROPY_BACKWARD = FusedOp("cross_entropy_backward", _cross_entropy_backward_impl,
+                                 fake=_cross_entropy_backward_fake)
+CROSS_ENTROPY = FusedOp("cross_entropy", _cross_entropy_impl, fake=_cross_entropy_fake,
+                        setup_context=_setup_cross_entropy, backward=_backward_cross_entropy)
 
 
-@torch.library.custom_op("fuselm::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+def _linear_cross_entropy_impl(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
                              divisor: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
                              softcap: float | None, z_loss: float, chunk_tokens: int, grad_hidden: bool,
                              grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -341,8 +339,7 @@ def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor | None
     return loss, lse, dhidden, dweight, dbias
 
 
-@torch.library.custom_op("fuselm::linear_cross_entropy_backward", mutates_args=())
-def _linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+def _linear_cross_entropy_backward_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                                       labels: Tensor, ignore_index: int, label_smoothing: float,
                                       softcap: float | None, z_loss: float, chunk_tokens: int, grad_hidden: bool,
                                       grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -359,8 +356,7 @@ def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
             bias.new_empty(bias.shape) if grad_bias else hidden.new_empty((0,), dtype=torch.float32))
 
 
-@_linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss,
+def _linear_cross_entropy_fake(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss,
       chunk_tokens, grad_hidden, grad_weight, grad_bias):
     reduce = reduction != "none"
     rows = hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
@@ -369,8 +365,7 @@ def _(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoo
                                     reduce and grad_bias)
 
 
-@_linear_cross_entropy_backward_op.register_fake
-def _(grad, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens,
+def _linear_cross_entropy_backward_fake(grad, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens,
       grad_hidden, grad_weight, grad_bias):
     return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
@@ -386,7 +381,7 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
 
 def _backward_linear_cross_entropy(ctx, grad, *_unused_output_grads):
     if ctx.reduction == "none":
-        grads = torch.ops.fuselm.linear_cross_entropy_backward(grad, *ctx.saved_tensors, *ctx.options, *ctx.wanted)
+        grads = LINEAR_CROSS_ENTROPY_BACKWARD(grad, *ctx.saved_tensors, *ctx.options, *ctx.wanted)
     else:
         # The gradients were computed in the forward pass; scale them in place rather than holding a
         # second [V, H] copy. They are this op's own buffers, never the caller's; a second backward
@@ -400,7 +395,10 @@ def _backward_linear_cross_entropy(ctx, grad, *_unused_output_grads):
     return (dhidden, dweight, dbias) + (None,) * 11
 
 
-_linear_cross_entropy_op.register_autograd(_backward_linear_cross_entropy, setup_context=_setup_linear_cross_entropy)
+LINEAR_CROSS_ENTROPY_BACKWARD = FusedOp("linear_cross_entropy_backward", _linear_cross_entropy_backward_impl,
+                                        fake=_linear_cross_entropy_backward_fake)
+LINEAR_CROSS_ENTROPY = FusedOp("linear_cross_entropy", _linear_cross_entropy_impl, fake=_linear_cross_entropy_fake,
+                               setup_context=_setup_linear_cross_entropy, backward=_backward_linear_cross_entropy)
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -523,7 +521,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, r
     _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
     flat_labels = labels.reshape(-1)
     if runs_triton(logits):
-        rows, lse = torch.ops.fuselm.cross_entropy(as_rows(logits), flat_labels, ignore_index, label_smoothing,
+        rows, lse = CROSS_ENTROPY(as_rows(logits), flat_labels, ignore_index, label_smoothing,
                                                    softcap, z_loss)
     else:
         rows, lse = _reference_rows(logits.reshape(-1, logits.shape[-1]), flat_labels, ignore_index,
@@ -563,7 +561,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: T
     valid = flat_labels != ignore_index
     divisor = _mean_divisor(valid, num_items) if reduction == "mean" else None
     grad_on = torch.is_grad_enabled()
-    loss, lse, *_ = torch.ops.fuselm.linear_cross_entropy(
+    loss, lse, *_ = LINEAR_CROSS_ENTROPY(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, divisor, reduction, ignore_index,
         label_smoothing, softcap, z_loss, chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,

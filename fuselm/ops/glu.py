@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import as_rows, autotune, check_same, check_tensor, new_output
+from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, new_output
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -162,43 +162,35 @@ def _glu_packed_backward(dout: Tensor, gate_up: Tensor, activation: str) -> Tens
 
 
 # ----------------------------------------------------------------------------------- registration
-@torch.library.custom_op("fuselm::glu", mutates_args=())
-def _glu_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def _glu_impl(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     return _glu_forward(gate, up, activation)
 
 
-@torch.library.custom_op("fuselm::glu_packed", mutates_args=())
-def _glu_packed_op(gate_up: Tensor, activation: str) -> Tensor:
+def _glu_packed_impl(gate_up: Tensor, activation: str) -> Tensor:
     return _glu_forward(*_halves(gate_up), activation)
 
 
-@torch.library.custom_op("fuselm::glu_backward", mutates_args=())
-def _glu_backward_op(dout: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+def _glu_backward_impl(dout: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     return _glu_backward(dout, gate, up, activation)
 
 
-@torch.library.custom_op("fuselm::glu_packed_backward", mutates_args=())
-def _glu_packed_backward_op(dout: Tensor, gate_up: Tensor, activation: str) -> Tensor:
+def _glu_packed_backward_impl(dout: Tensor, gate_up: Tensor, activation: str) -> Tensor:
     return _glu_packed_backward(dout, gate_up, activation)
 
 
-@_glu_op.register_fake
-def _(gate, up, activation):
+def _glu_fake(gate, up, activation):
     return gate.new_empty(gate.shape)
 
 
-@_glu_packed_op.register_fake
-def _(gate_up, activation):
+def _glu_packed_fake(gate_up, activation):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-@_glu_backward_op.register_fake
-def _(dout, gate, up, activation):
+def _glu_backward_fake(dout, gate, up, activation):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-@_glu_packed_backward_op.register_fake
-def _(dout, gate_up, activation):
+def _glu_packed_backward_fake(dout, gate_up, activation):
     return gate_up.new_empty(gate_up.shape)
 
 
@@ -210,7 +202,7 @@ def _setup_glu(ctx, inputs, output):
 
 def _backward_glu(ctx, dout):
     gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.fuselm.glu_backward(dout, gate, up, ctx.activation)
+    dgate, dup = GLU_BACKWARD(dout, gate, up, ctx.activation)
     return dgate, dup, None
 
 
@@ -222,11 +214,14 @@ def _setup_glu_packed(ctx, inputs, output):
 
 def _backward_glu_packed(ctx, dout):
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.fuselm.glu_packed_backward(dout, gate_up, ctx.activation), None
+    return GLU_PACKED_BACKWARD(dout, gate_up, ctx.activation), None
 
 
-_glu_op.register_autograd(_backward_glu, setup_context=_setup_glu)
-_glu_packed_op.register_autograd(_backward_glu_packed, setup_context=_setup_glu_packed)
+GLU_BACKWARD = FusedOp("glu_backward", _glu_backward_impl, fake=_glu_backward_fake)
+GLU_PACKED_BACKWARD = FusedOp("glu_packed_backward", _glu_packed_backward_impl, fake=_glu_packed_backward_fake)
+GLU = FusedOp("glu", _glu_impl, fake=_glu_fake, setup_context=_setup_glu, backward=_backward_glu)
+GLU_PACKED = FusedOp("glu_packed", _glu_packed_impl, fake=_glu_packed_fake, setup_context=_setup_glu_packed,
+                     backward=_backward_glu_packed)
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -238,14 +233,14 @@ def _gated(activation: str, gate: Tensor, up: Tensor | None) -> Tensor:
                 f"gate (packed gate_up, up=None) must have an even last dimension, got shape {tuple(gate.shape)}"
             )
         if runs_triton(gate):
-            return torch.ops.fuselm.glu_packed(gate, activation)
+            return GLU_PACKED(gate, activation)
         return _REFERENCES[activation](*_halves(gate))
     check_tensor("up", up)
     if up.shape != gate.shape:
         raise ValueError(f"up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}")
     check_same("gate", gate, up=up)
     if runs_triton(gate):
-        return torch.ops.fuselm.glu(gate, up, activation)
+        return GLU(gate, up, activation)
     return _REFERENCES[activation](gate, up)
 
 

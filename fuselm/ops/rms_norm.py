@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import as_rows, autotune, check_same_device, check_tensor, new_output
+from fuselm.ops._common import FusedOp, as_rows, autotune, check_same_device, check_tensor, new_output
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
@@ -281,38 +281,33 @@ def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd
 
 
 # ----------------------------------------------------------------------------------- registration
-@torch.library.custom_op("fuselm::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
+def _rms_norm_impl(x: Tensor, weight: Tensor, eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
     y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
     return y, rstd
 
 
-@torch.library.custom_op("fuselm::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
-                     casting: str) -> tuple[Tensor, Tensor, Tensor]:
+def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float,
+                       casting: str) -> tuple[Tensor, Tensor, Tensor]:
     return _launch_fwd(x, residual, weight, eps, offset, casting)
 
 
-@torch.library.custom_op("fuselm::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
-                          offset: float, casting: str) -> tuple[Tensor, Tensor]:
+def _rms_norm_backward_impl(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
+                            offset: float, casting: str) -> tuple[Tensor, Tensor]:
     return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting)
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps, offset, casting):
+# the fakes give the launchers' contiguous outputs
+def _rms_norm_fake(x, weight, eps, offset, casting):
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting)), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset, casting):
-    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting))  # contiguous, as the launcher allocates
-    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _add_rms_norm_fake(x, residual, weight, eps, offset, casting):
+    y, rstd = _rms_norm_fake(x, weight, eps, offset, casting)
+    return y, x.new_empty(x.shape), rstd
 
 
-@_rms_norm_backward_op.register_fake
-def _(dy, dsum, x, weight, rstd, offset, casting):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, as the launcher allocates
+def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_rms_norm(ctx, inputs, output):
@@ -323,7 +318,7 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _backward_rms_norm(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = torch.ops.fuselm.rms_norm_backward(dy, None, x, weight, rstd, ctx.offset, ctx.casting)
+    dx, dweight = RMS_NORM_BACKWARD(dy, None, x, weight, rstd, ctx.offset, ctx.casting)
     return dx, dweight, None, None, None
 
 
@@ -337,12 +332,15 @@ def _backward_add_rms_norm(ctx, dy, dsum, _drstd):
     total, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(total)
-    dx, dweight = torch.ops.fuselm.rms_norm_backward(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting)
+    dx, dweight = RMS_NORM_BACKWARD(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting)
     return dx, dx, dweight, None, None, None
 
 
-_rms_norm_op.register_autograd(_backward_rms_norm, setup_context=_setup_rms_norm)
-_add_rms_norm_op.register_autograd(_backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+RMS_NORM_BACKWARD = FusedOp("rms_norm_backward", _rms_norm_backward_impl, fake=_rms_norm_backward_fake)
+RMS_NORM = FusedOp("rms_norm", _rms_norm_impl, fake=_rms_norm_fake, setup_context=_setup_rms_norm,
+                   backward=_backward_rms_norm)
+ADD_RMS_NORM = FusedOp("add_rms_norm", _add_rms_norm_impl, fake=_add_rms_norm_fake,
+                       setup_context=_setup_add_rms_norm, backward=_backward_add_rms_norm)
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -380,7 +378,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, 
     """
     _check_norm_args(x, weight, casting)
     if runs_triton(x):
-        return torch.ops.fuselm.rms_norm(x, weight, eps, offset, casting)[0]
+        return RMS_NORM(x, weight, eps, offset, casting)[0]
     return rms_norm_reference(x, weight, eps, offset, casting)
 
 
@@ -397,7 +395,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
     """
     _check_norm_args(x, weight, casting, residual=residual)
     if runs_triton(x):
-        y, total, _ = torch.ops.fuselm.add_rms_norm(x, residual, weight, eps, offset, casting)
+        y, total, _ = ADD_RMS_NORM(x, residual, weight, eps, offset, casting)
         return y, total
     return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import autotune, check_same, check_same_device, check_tensor, new_output, new_output_like
+from fuselm.ops._common import FusedOp, autotune, check_same, check_same_device, check_tensor, new_output, new_output_like
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_TILE = 8192  # elements of one [positions, heads, h] tile that a program keeps in registers
@@ -186,18 +186,15 @@ def _launch_out_of_place(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout:
 
 
 # ----------------------------------------------------------------------------------- registration
-@torch.library.custom_op("fuselm::rope", mutates_args=())
-def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+def _rope_impl(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return _launch_out_of_place(q, k, cos, sin, layout, backward=False)
 
 
-@torch.library.custom_op("fuselm::rope_backward", mutates_args=())
-def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+def _rope_backward_impl(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return _launch_out_of_place(dq, dk, cos, sin, layout, backward=True)
 
 
-@torch.library.custom_op("fuselm::rope_", mutates_args=("q", "k"))
-def _rope_inplace_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str) -> None:
+def _rope_inplace_impl(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str) -> None:
     _launch(q, k, cos, sin, q, k, layout, backward=False)
 
 
@@ -208,18 +205,11 @@ def _fake_output_for(x: Tensor, layout: str) -> Tensor:  # the strides _new_outp
     return _from_bshd(x.new_empty(_bshd_shape(x, layout)), layout)
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, layout):
+def _rope_fake(q, k, cos, sin, layout):
     return _fake_output_for(q, layout), _fake_output_for(k, layout)
 
 
-@_rope_backward_op.register_fake
-def _(dq, dk, cos, sin, layout):
-    return _fake_output_for(dq, layout), _fake_output_for(dk, layout)
-
-
-@_rope_inplace_op.register_fake
-def _(q, k, cos, sin, layout):
+def _rope_inplace_fake(q, k, cos, sin, layout):
     return None
 
 
@@ -231,11 +221,13 @@ def _setup_rope(ctx, inputs, output):
 
 def _backward_rope(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    dq_in, dk_in = torch.ops.fuselm.rope_backward(dq, dk, cos, sin, ctx.layout)
+    dq_in, dk_in = ROPE_BACKWARD(dq, dk, cos, sin, ctx.layout)
     return dq_in, dk_in, None, None, None
 
 
-_rope_op.register_autograd(_backward_rope, setup_context=_setup_rope)
+ROPE_BACKWARD = FusedOp("rope_backward", _rope_backward_impl, fake=_rope_fake)
+ROPE = FusedOp("rope", _rope_impl, fake=_rope_fake, setup_context=_setup_rope, backward=_backward_rope)
+ROPE_INPLACE = FusedOp("rope_", _rope_inplace_impl, fake=_rope_inplace_fake, mutates_args=("q", "k"))
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -295,12 +287,12 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "bhsd"
     use_triton = runs_triton(q) and not (grad_on and (cos.requires_grad or sin.requires_grad))
     if inplace:
         if use_triton:
-            torch.ops.fuselm.rope_(q, k, cos, sin, layout)
+            ROPE_INPLACE(q, k, cos, sin, layout)
         else:
             q_rotated, k_rotated = rope_reference(q, k, cos, sin, layout)
             q.copy_(q_rotated)
             k.copy_(k_rotated)
         return q, k
     if use_triton:
-        return torch.ops.fuselm.rope(q, k, cos, sin, layout)
+        return ROPE(q, k, cos, sin, layout)
     return rope_reference(q, k, cos, sin, layout)
