@@ -13,7 +13,6 @@ Both kernels are pure streaming: math in fp32, output in the input dtype. ``gelu
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
