@@ -14,7 +14,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+import peft
 import torch
+import transformers
+import triton
 
 import fuselm
 
@@ -69,7 +72,9 @@ def measure(model, label: str, prefill: int, lora_tokens: int, decode_new: int) 
 
     vocab = model.config.vocab_size
     device = model.device
-    prompt = torch.randint(0, vocab, (1, prefill), device=device)
+    tokens = torch.Generator().manual_seed(0)  # the same prompt and training ids for both measurements
+    prompt = torch.randint(0, vocab, (1, prefill), generator=tokens).to(device)
+    model.eval()
     out = {}
     with torch.no_grad():
         out["logits"] = model(prompt[:, :512]).logits[0, -8:].float()
@@ -81,7 +86,7 @@ def measure(model, label: str, prefill: int, lora_tokens: int, decode_new: int) 
     lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     lora.train()
-    ids = torch.randint(0, vocab, (1, lora_tokens), device=device)
+    ids = torch.randint(0, vocab, (1, lora_tokens), generator=tokens).to(device)
 
     def step():
         lora(input_ids=ids, labels=ids).loss.backward()
@@ -120,6 +125,7 @@ def main() -> None:
 
     results = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", "torch": torch.__version__,
+        "triton": triton.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention",
         "rows": [

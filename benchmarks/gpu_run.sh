@@ -12,7 +12,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${FUSELM_TESTS:-}" != none ]; then
-  timeout "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests -m gpu} -q -p no:cacheprovider 2>&1 \
+  # SIGINT on time-out, so pytest still prints which tests failed
+  timeout -s INT -k 30 "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests -m gpu} -q -rfE \
+    -p no:cacheprovider 2>&1 \
     | tee "$out/gpu-tests.log" | tail -n 25
 fi
 if [ "${FUSELM_KERNELS:-1}" = 1 ]; then

@@ -54,7 +54,8 @@ def kernel_section(results: dict) -> list[str]:
 
 
 def e2e_section(results: dict) -> list[str]:
-    lines = ["## End to end (patch)", "", f"{results['gpu']}; {results['model']}; {results['date']}.", "",
+    lines = ["## End to end (patch)", "", f"{results['gpu']}; torch {results['torch']}, triton {results.get('triton')}, transformers "
+             f"{results.get('transformers')}, peft {results.get('peft')}; {results['model']}; {results['date']}.", "",
              "| measurement | unpatched | fuselm.patch | ratio |", "|---|---:|---:|---:|"]
     for row in results["rows"]:
         lines.append(f"| {row['what']} | {row['unpatched']} | {row['patched']} | {row['ratio']} |")

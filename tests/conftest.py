@@ -34,6 +34,14 @@ def _poisoned_outputs():
     _common.poison_outputs = False
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _quick_tuning():
+    """On a GPU, autotuning times each config in ~1 ms: tests check results, not which config wins."""
+    _common.quick_tuning = True
+    yield
+    _common.quick_tuning = False
+
+
 @pytest.fixture(params=["reference", "triton"])
 def path(request):
     """Run the test through the PyTorch reference and through Triton (interpreter on CPU)."""
