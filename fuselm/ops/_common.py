@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
@@ -78,17 +81,33 @@ def _time_config(kernel_call, quantiles):
 
 
 def autotune(configs: list[triton.Config], key: list[str], **options):
-    """``triton.autotune`` on a GPU; under the interpreter, which cannot time, the first config."""
+    """``triton.autotune`` on a GPU; under the interpreter, which cannot time, one config: the first,
+    or the one :func:`interpreted_config` forces. Either way ``kernel.configs`` lists them all."""
     if not INTERPRETING:
         return triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
-    pinned = {name: (lambda _args, v=value: v) for name, value in configs[0].kwargs.items()}
 
     def pin(fn):
-        kernel = triton.heuristics(pinned)(fn)
+        # each launch reads the pinned config's values, so the grid and best_config always agree
+        kernel = triton.heuristics({name: (lambda _args, name=name: kernel.best_config.kwargs[name])
+                                    for name in configs[0].kwargs})(fn)
+        kernel.configs = configs
         kernel.best_config = configs[0]  # what triton.autotune exposes after a launch
         return kernel
 
     return pin
+
+
+@contextlib.contextmanager
+def interpreted_config(kernel, index: int) -> Iterator[None]:
+    """Under the interpreter, launches of ``kernel`` (an :func:`autotune` kernel) run its config
+    ``index`` instead of the first, so tests on CPU can check every config a GPU may pick."""
+    if not INTERPRETING:
+        raise RuntimeError("interpreted_config needs TRITON_INTERPRET=1 (on a GPU the autotuner picks)")
+    previous, kernel.best_config = kernel.best_config, kernel.configs[index]
+    try:
+        yield
+    finally:
+        kernel.best_config = previous
 
 
 class FusedOp:

@@ -56,7 +56,7 @@ def _prune_by_registers(configs, named_args, **kwargs):
 
 _ROW_CONFIGS = [
     triton.Config({"ROWS": rows}, num_warps=warps)
-    for rows, warps in [(1, 4), (1, 8), (2, 8), (4, 8), (1, 16), (4, 16), (8, 16)]
+    for rows, warps in [(1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16)]
 ]
 
 
@@ -73,9 +73,15 @@ def _load_input(x_ptr, residual_ptr, sum_ptr, rows, cols, mask, stride_x, stride
 
 
 @triton.jit
+def _load_weight(weight_ptr, cols, n_cols, offset):
+    """offset + weight as fp32 for the columns cols."""
+    return tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+
+
+@triton.jit
 def _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset,
                   CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
-    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    weight = _load_weight(weight_ptr, cols, n_cols, offset)
     normed = x * rstd
     if CAST_NORMED:
         normed = normed.to(INPUT_DTYPE).to(tl.float32)
@@ -124,12 +130,11 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy, stride_x, offset):
-    """(x, dy, offset + weight) as fp32 for one [rows, cols] tile."""
+def _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x):
+    """(x, dy) as fp32 for one [rows, cols] tile."""
     x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
-    return x, dy, weight
+    return x, dy
 
 
 @triton.jit
@@ -152,7 +157,8 @@ def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
 MAX_PROGRAMS_PER_SM = 8
 _BWD_CONFIGS = [
     triton.Config({"ROWS": rows, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
-    for rows, per_sm, warps in [(1, 2, 8), (1, 4, 8), (1, 8, 4), (2, 4, 8), (2, 8, 4), (4, 2, 16), (4, 4, 8)]
+    for rows, per_sm, warps in [(1, 2, 8), (1, 4, 4), (1, 4, 8), (1, 8, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8),
+                                (2, 8, 4), (4, 2, 8), (4, 2, 16), (4, 4, 4), (4, 4, 8)]
 ]
 
 
@@ -166,9 +172,10 @@ def _rms_norm_bwd_kernel(
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     # Persistent program: owns one contiguous band of rows and one fp32 row of dweight partial sums.
-    # Reads x, dy (and dsum) once and writes dx once when a row fits in BLOCK_N. Wider rows are read
-    # twice (the row's mean_dot first, then dx), and their dweight partials accumulate in place in
-    # the program's own row of the zero-initialised partial buffer.
+    # Reads x, dy (and dsum) once and writes dx once when a row fits in BLOCK_N; the weight row is
+    # then read once per program, not once per ROWS rows. Wider rows are read twice (the row's
+    # mean_dot first, then dx) with their weight chunks, and their dweight partials accumulate in
+    # place in the program's own row of the zero-initialised partial buffer.
     program = tl.program_id(0)
     rows_per_program = tl.cdiv(n_rows, tl.num_programs(0))
     first_row = program * rows_per_program
@@ -176,6 +183,8 @@ def _rms_norm_bwd_kernel(
     input_dtype = x_ptr.dtype.element_ty
     block = tl.arange(0, BLOCK_N)
     dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if SINGLE_PASS:
+        weight = _load_weight(weight_ptr, block[None, :], n_cols, offset)
     for band_row in range(0, rows_per_program, ROWS):
         rows = (first_row + band_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
         row_ok = (rows < n_rows) & (band_row + tl.arange(0, ROWS)[:, None] < rows_per_program)
@@ -183,8 +192,7 @@ def _rms_norm_bwd_kernel(
         if SINGLE_PASS:
             cols = block[None, :]
             mask = row_ok & (cols < n_cols)
-            x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
-                                              stride_x, offset)
+            x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
             mean_dot = tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True) / n_cols
             dweight += _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask, stride_dsum,
                                  stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
@@ -193,15 +201,15 @@ def _rms_norm_bwd_kernel(
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + block[None, :]
                 mask = row_ok & (cols < n_cols)
-                x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
-                                                  stride_x, offset)
+                x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
+                weight = _load_weight(weight_ptr, cols, n_cols, offset)
                 mean_dot += tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True)
             mean_dot = mean_dot / n_cols
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + block[None, :]
                 mask = row_ok & (cols < n_cols)
-                x, dy, weight = _load_grad_inputs(dy_ptr, x_ptr, weight_ptr, rows, cols, mask, n_cols, stride_dy,
-                                                  stride_x, offset)
+                x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
+                weight = _load_weight(weight_ptr, cols, n_cols, offset)
                 contribution = _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
                                          stride_dsum, stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
                 col_ok = start + block < n_cols

@@ -57,7 +57,10 @@ def _prune_by_registers(configs, named_args, **kwargs):
 
 _CONFIGS = [  # (positions, heads) per tile; the first is the one the interpreter runs
     triton.Config({"BLOCK_S": s, "BLOCK_H": h}, num_warps=w)
-    for s, h, w in [(2, 4, 4), (1, 8, 2), (2, 8, 2), (1, 16, 4), (2, 8, 4), (4, 16, 8)]
+    for s, h, w in [(2, 4, 4), (1, 8, 2), (2, 8, 2), (1, 16, 4), (2, 8, 4), (4, 16, 8),
+                    # many positions per head step: in [B, H, S, D] memory a tile is BLOCK_H runs of
+                    # BLOCK_S * D contiguous elements, so these move fewer, longer runs per step
+                    (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 1, 8), (64, 1, 8)]
 ]
 
 

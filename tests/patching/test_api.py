@@ -375,7 +375,7 @@ def test_fuselm_backend_environment_variable_selects_the_references():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith("reference PyTorch reference on cpu")
+    assert done.stdout.strip().endswith(f"reference PyTorch reference on {torch.device(DEVICE).type}")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])

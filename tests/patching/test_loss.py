@@ -9,7 +9,6 @@ import inspect
 
 import pytest
 import torch
-from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments,
                           default_data_collator)
@@ -464,8 +463,9 @@ TRAIN_LABELS[3, 2:4] = -100
 def trainer_run(model, tmp_path):
     """One SGD step over 2 accumulated micro-batches of 2 (so num_items_in_batch spans both): the
     logged loss and each parameter's update."""
-    data = Dataset.from_dict({"input_ids": TRAIN_IDS.tolist(), "labels": TRAIN_LABELS.tolist(),
-                              "text": ["unused"] * 4})  # dropped by Trainer, which reads forward's signature
+    datasets = pytest.importorskip("datasets")  # absent from the GPU image
+    data = datasets.Dataset.from_dict({"input_ids": TRAIN_IDS.tolist(), "labels": TRAIN_LABELS.tolist(),
+                                       "text": ["unused"] * 4})  # dropped by Trainer, which reads forward's signature
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
                              logging_steps=1, report_to=[], save_strategy="no", use_cpu=DEVICE == "cpu",

@@ -138,16 +138,20 @@ def test_lora_convergence_in_fp32_through_the_triton_kernels():
     pytest.param("triton", marks=pytest.mark.gpu),
 ])
 def test_lora_convergence_in_bf16_stays_within_bf16_noise(backend):
-    """bf16 runs drift from each other; the patched one must stay as close to the unpatched bf16 run,
-    and to the fp32 run, as bf16 itself allows."""
+    """bf16 runs drift from each other by bf16's noise, whose size depends on the hardware: the patched
+    run must stay as close to the fp32 run as the unpatched bf16 run does (within 1.5x). By the
+    triangle inequality that also bounds patched vs unpatched bf16 by 2.5x that noise."""
     fp32_losses, fp32_weights = lora_fine_tune(torch.float32, patch=False)
     expected_losses, expected_weights = lora_fine_tune(torch.bfloat16, patch=False)
     with fuselm.use_backend(backend):
         losses, weights = lora_fine_tune(torch.bfloat16, patch=True)
-    assert curve_distance(losses, expected_losses) <= 3e-2
-    assert weight_distance(weights, expected_weights) <= 1e-1
-    assert curve_distance(losses, fp32_losses) <= 1.5 * curve_distance(expected_losses, fp32_losses)
-    assert weight_distance(weights, fp32_weights) <= 1.5 * weight_distance(expected_weights, fp32_weights)
+    curve_noise = curve_distance(expected_losses, fp32_losses)
+    weight_noise = weight_distance(expected_weights, fp32_weights)
+    seen = (f"bf16 vs fp32: curve {curve_noise:.3g}, weights {weight_noise:.3g}; patched bf16 vs fp32: curve "
+            f"{curve_distance(losses, fp32_losses):.3g}, weights {weight_distance(weights, fp32_weights):.3g}")
+    assert curve_noise <= 0.1 and weight_noise <= 0.2, "bf16 itself must track fp32: " + seen
+    assert curve_distance(losses, fp32_losses) <= 1.5 * curve_noise, seen
+    assert weight_distance(weights, fp32_weights) <= 1.5 * weight_noise, seen
 
 
 # ----------------------------------------------------------------------------------- trainers
