@@ -332,6 +332,39 @@ def test_linear_chunks_never_hold_the_full_logits(device):
     assert max(record.numels) == n * vocab
 
 
+def test_linear_backward_allocates_no_gradient_sized_tensor(device, monkeypatch):
+    """.grad is the very buffer the chunk loop filled, and the backward allocates nothing of [N, H] or
+    [V, H] size (no copy of the gradients, no zero gradients for the op's gradient outputs)."""
+    buffers = []
+    chunks = ce_module._linear_cross_entropy_chunks
+
+    def recording_chunks(*args):
+        out = chunks(*args)
+        buffers.append((out[2].data_ptr(), out[3].data_ptr()))
+        return out
+
+    class RecordAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func._schema.is_mutable and func not in (torch.ops.aten.detach.default, torch.ops.aten.view.default):
+                self.numels += [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+    monkeypatch.setattr(ce_module, "_linear_cross_entropy_chunks", recording_chunks)
+    n, hidden_size, vocab = 9, 16, 67
+    hidden, weight, _ = _linear_inputs(hidden_size, vocab, False, torch.float32, device, n=n)
+    with fuselm.use_backend("triton"):
+        loss = fuselm.linear_cross_entropy(hidden, weight, _labels(vocab, device, n=n))
+    with RecordAllocations() as record:
+        loss.backward()
+    assert buffers == [(hidden.grad.data_ptr(), weight.grad.data_ptr())]
+    assert max(record.numels) < n * hidden_size
+
+
 def test_default_chunk_tokens():
     assert default_chunk_tokens(32000, torch.bfloat16) == 4096  # 256 MiB / 64000 B = 4194.3 -> 4096
     assert default_chunk_tokens(128256, torch.float32) == 512

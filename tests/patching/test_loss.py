@@ -217,7 +217,7 @@ def test_tied_embeddings_get_the_loss_gradient_once(path, name, fused_calls):
 def test_autocast_computes_the_logits_in_the_autocast_dtype(path, fused_calls):
     model = training_model("llama")
     inputs = case_inputs("ignored", token_ids())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         hf = loss_and_grads(model, **inputs)
         with fused(model):
             got = loss_and_grads(model, **inputs)

@@ -95,9 +95,9 @@ def test_lora_and_disabled_adapter_match_unpatched(path, case, order):
 
 
 # ----------------------------------------------------------------------------------- convergence
-def lora_fine_tune(dtype, patch, steps=30):
+def lora_fine_tune(dtype, patch, steps=30, first_grads=None):
     """LoRA (fp32 adapters) on every linear of a tiny Llama whose weights are ``dtype``, for ``steps`` AdamW
-    steps; returns (losses, LoRA weights)."""
+    steps; returns (losses, LoRA weights). ``first_grads``, a dict, receives the first step's LoRA gradients."""
     model = lora_model("llama", ALL_LINEARS, dtype=dtype)
     if patch:
         fuselm.patch(model)
@@ -108,6 +108,8 @@ def lora_fine_tune(dtype, patch, steps=30):
         ids = batches[step % len(batches)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if first_grads is not None and step == 0:
+            first_grads.update({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -138,20 +140,23 @@ def test_lora_convergence_in_fp32_through_the_triton_kernels():
     pytest.param("triton", marks=pytest.mark.gpu),
 ])
 def test_lora_convergence_in_bf16_stays_within_bf16_noise(backend):
-    """bf16 runs drift from each other by bf16's noise, whose size depends on the hardware: the patched
-    run must stay as close to the fp32 run as the unpatched bf16 run does (within 1.5x). By the
-    triangle inequality that also bounds patched vs unpatched bf16 by 2.5x that noise."""
-    fp32_losses, fp32_weights = lora_fine_tune(torch.float32, patch=False)
-    expected_losses, expected_weights = lora_fine_tune(torch.bfloat16, patch=False)
+    """bf16 training is chaotic: runs whose arithmetic differs in the last bit drift apart by an amount
+    that depends on the hardware (one step of the unpatched bf16 run on an H200 was 6 % off fp32).
+    So: one step's gradients must be as accurate as HF's own bf16 ones (against fp32), and the loss
+    curve, averaged over each pass through the 5 batches, and the final weights must stay near the
+    unpatched bf16 run."""
+    fp32_grads, expected_grads, got_grads = {}, {}, {}
+    lora_fine_tune(torch.float32, patch=False, steps=1, first_grads=fp32_grads)
+    expected_losses, expected_weights = lora_fine_tune(torch.bfloat16, patch=False, first_grads=expected_grads)
     with fuselm.use_backend(backend):
-        losses, weights = lora_fine_tune(torch.bfloat16, patch=True)
-    curve_noise = curve_distance(expected_losses, fp32_losses)
-    weight_noise = weight_distance(expected_weights, fp32_weights)
-    seen = (f"bf16 vs fp32: curve {curve_noise:.3g}, weights {weight_noise:.3g}; patched bf16 vs fp32: curve "
-            f"{curve_distance(losses, fp32_losses):.3g}, weights {weight_distance(weights, fp32_weights):.3g}")
-    assert curve_noise <= 0.1 and weight_noise <= 0.2, "bf16 itself must track fp32: " + seen
-    assert curve_distance(losses, fp32_losses) <= 1.5 * curve_noise, seen
-    assert weight_distance(weights, fp32_weights) <= 1.5 * weight_noise, seen
+        losses, weights = lora_fine_tune(torch.bfloat16, patch=True, first_grads=got_grads)
+    expected_error = max(rel_err(expected_grads[n], fp32_grads[n]) for n in fp32_grads)
+    error = max(rel_err(got_grads[n], fp32_grads[n]) for n in fp32_grads)
+    assert error <= 1.5 * expected_error, f"first-step gradients vs fp32: {error:.3g}, HF bf16's {expected_error:.3g}"
+    per_pass, expected_per_pass = losses.view(-1, 5).mean(1), expected_losses.view(-1, 5).mean(1)
+    assert expected_per_pass[-1] < 0.8 * expected_per_pass[0], "the run must actually learn"
+    assert curve_distance(per_pass, expected_per_pass) <= 3e-2
+    assert weight_distance(weights, expected_weights) <= 1e-1
 
 
 # ----------------------------------------------------------------------------------- trainers
