@@ -305,29 +305,35 @@ def test_inputs_are_not_mutated(path, device):
         assert torch.equal(t.detach(), saved)
 
 
+class RecordNewTensors(TorchDispatchMode):
+    """Records the element count of every tensor an aten op creates (in-place, out= and aliasing ops
+    create none)."""
+
+    ALIASING = (torch.ops.aten.detach.default, torch.ops.aten.view.default)
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func._schema.is_mutable and func not in self.ALIASING:
+            self.numels += [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
 def test_linear_chunks_never_hold_the_full_logits(device):
     """Every tensor the chunk loop creates (at the aten level) is far below N x V elements."""
-
-    class RecordShapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.numels += [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            return out
-
     n, vocab = 40, 257
     hidden, weight, _ = _linear_inputs(8, vocab, False, torch.float32, device, n=n)
     labels = _labels(vocab, device, n=n)
-    with torch.no_grad(), RecordShapes() as record:
+    with torch.no_grad(), RecordNewTensors() as record:
         rows, lse, dhidden, dweight, _ = ce_module._linear_cross_entropy_chunks(
             hidden, weight, None, labels, None, -100, 0.0, None, 0.0, 4, True, True, False)
     assert 4 * vocab <= max(record.numels) < n * vocab / 2
     loss64 = linear_cross_entropy_reference(float64_leaf(hidden), float64_leaf(weight), labels, reduction="sum")
     assert_close(rows.sum(), loss64, torch.float32)
-    with RecordShapes() as record:  # the check can fail: the reference path does hold them
+    with RecordNewTensors() as record:  # the check can fail: the reference path does hold them
         linear_cross_entropy_reference(hidden, weight, labels)
     assert max(record.numels) == n * vocab
 
@@ -343,23 +349,12 @@ def test_linear_backward_allocates_no_gradient_sized_tensor(device, monkeypatch)
         buffers.append((out[2].data_ptr(), out[3].data_ptr()))
         return out
 
-    class RecordAllocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func._schema.is_mutable and func not in (torch.ops.aten.detach.default, torch.ops.aten.view.default):
-                self.numels += [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            return out
-
     monkeypatch.setattr(ce_module, "_linear_cross_entropy_chunks", recording_chunks)
     n, hidden_size, vocab = 9, 16, 67
     hidden, weight, _ = _linear_inputs(hidden_size, vocab, False, torch.float32, device, n=n)
     with fuselm.use_backend("triton"):
         loss = fuselm.linear_cross_entropy(hidden, weight, _labels(vocab, device, n=n))
-    with RecordAllocations() as record:
+    with RecordNewTensors() as record:
         loss.backward()
     assert buffers == [(hidden.grad.data_ptr(), weight.grad.data_ptr())]
     assert max(record.numels) < n * hidden_size
