@@ -73,6 +73,19 @@ def last_logits(model, prompt: torch.Tensor) -> torch.Tensor:
         return model(prompt[:, :512]).logits[0, -8:].float()
 
 
+def fp32_logits(model, prompt: torch.Tensor) -> torch.Tensor:
+    """:func:`last_logits` of the unpatched model with its parameters in fp32 (bf16 -> fp32 -> bf16
+    is lossless). Parameters only: ``model.float()`` would also round-trip buffers that HF keeps
+    in fp32, e.g. RoPE's inv_freq, through bf16."""
+    dtype = next(model.parameters()).dtype
+    for param in model.parameters():
+        param.data = param.data.float()
+    logits = last_logits(model, prompt)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return logits
+
+
 def measure(model, label: str, prompt: torch.Tensor, ids: torch.Tensor, decode_new: int) -> dict:
     from peft import LoraConfig, get_peft_model
 
@@ -114,8 +127,7 @@ def main() -> None:
     tokens = torch.Generator().manual_seed(0)  # the same prompt and training ids for both measurements
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=tokens).to(model.device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.lora_tokens), generator=tokens).to(model.device)
-    exact = last_logits(model.float(), prompt)  # the unpatched model in fp32: what both bf16 runs approximate
-    model.to(torch.float32 if args.smoke else torch.bfloat16)  # bf16 -> fp32 -> bf16 is lossless
+    exact = fp32_logits(model, prompt)  # what both bf16 runs approximate
     base = measure(model, "unpatched", prompt, ids, args.decode_new)
     report = fuselm.patch(model)
     print(report, flush=True)
@@ -145,7 +157,7 @@ def main() -> None:
         "patch_report": str(report),
         "notes": "Relative error of the last 8 positions' logits (512-token prompt): "
                  + ", ".join(f"{name} {value:.2e}" for name, value in error.items())
-                 + " (fp32: the unpatched model cast to fp32). "
+                 + " (fp32: the unpatched model with its parameters in fp32). "
                  "fuselm.patch fuses the norms, RoPE, the MLP activation, the residual adds and the training "
                  "loss (linear cross-entropy); projections and attention are still HF's.",
     }
