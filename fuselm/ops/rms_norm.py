@@ -171,23 +171,22 @@ def _rms_norm_bwd_kernel(
     HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
-    # Persistent program: owns one contiguous band of rows and one fp32 row of dweight partial sums.
-    # Reads x, dy (and dsum) once and writes dx once when a row fits in BLOCK_N; the weight row is
-    # then read once per program, not once per ROWS rows. Wider rows are read twice (the row's
-    # mean_dot first, then dx) with their weight chunks, and their dweight partials accumulate in
-    # place in the program's own row of the zero-initialised partial buffer.
+    # Persistent program p of P: owns the blocks of ROWS rows that start at p*ROWS, (p+P)*ROWS, ...
+    # (so the programs running at once work on neighbouring rows, as a plain grid would) and one
+    # fp32 row of dweight partial sums. Reads x, dy (and dsum) once and writes dx once when a row
+    # fits in BLOCK_N; the weight row is then read once per program. Wider rows are read twice (the
+    # row's mean_dot first, then dx) with their weight chunks, and their dweight partials accumulate
+    # in place in the program's own row of the zero-initialised partial buffer.
     program = tl.program_id(0)
-    rows_per_program = tl.cdiv(n_rows, tl.num_programs(0))
-    first_row = program * rows_per_program
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
     block = tl.arange(0, BLOCK_N)
     dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
     if SINGLE_PASS:
         weight = _load_weight(weight_ptr, block[None, :], n_cols, offset)
-    for band_row in range(0, rows_per_program, ROWS):
-        rows = (first_row + band_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-        row_ok = (rows < n_rows) & (band_row + tl.arange(0, ROWS)[:, None] < rows_per_program)
+    for first_row in range(program * ROWS, n_rows, tl.num_programs(0) * ROWS):
+        rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        row_ok = rows < n_rows
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         if SINGLE_PASS:
             cols = block[None, :]
