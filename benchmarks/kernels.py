@@ -304,6 +304,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if not args.only or "linear_cross_entropy" in args.only:
         results["rows"] += linear_cross_entropy_rows(liger, console)
+    results["tuned_configs"] = tuned_configs()
     if args.merge_into:
         results = merged(json.load(open(args.merge_into)), results)
     with open(args.out, "w") as f:
@@ -319,7 +320,21 @@ def merged(earlier: dict, now: dict) -> dict:
     rows = [row for row in earlier["rows"] if row["kernel"] not in kernels] + now["rows"]
     reruns = earlier.get("reruns", []) + [{key: now[key] for key in ("date", "copy_gbps", "gemm_tflops", "torch",
                                                                         "triton")} | {"kernels": sorted(kernels)}]
-    return earlier | {"rows": rows, "reruns": reruns}
+    return earlier | {"rows": rows, "reruns": reruns,
+                      "tuned_configs": earlier.get("tuned_configs", {}) | now.get("tuned_configs", {})}
+
+
+def tuned_configs() -> dict[str, dict[str, str]]:
+    """The config the autotuner chose, per tuning key, for each fuselm kernel tuned in this run."""
+    from fuselm.ops import cross_entropy, glu, rms_norm, rope
+
+    tuned = {}
+    for module in (rms_norm, rope, glu, cross_entropy):
+        for name, kernel in vars(module).items():
+            if isinstance(kernel, triton.runtime.Autotuner) and kernel.cache:
+                tuned[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = {
+                    str(key): str(config) for key, config in kernel.cache.items()}
+    return tuned
 
 
 def _version(distribution: str) -> str | None:
