@@ -82,7 +82,7 @@ def _time_config(kernel_call, quantiles):
 
 def autotune(configs: list[triton.Config], key: list[str], **options):
     """``triton.autotune`` on a GPU; under the interpreter, which cannot time, one config: the first,
-    or the one :func:`interpreted_config` forces. Either way ``kernel.configs`` lists them all."""
+    or the one :func:`forced_config` forces. Either way ``kernel.configs`` lists them all."""
     if not INTERPRETING:
         return triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
 
@@ -98,16 +98,21 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
 
 
 @contextlib.contextmanager
-def interpreted_config(kernel, index: int) -> Iterator[None]:
-    """Under the interpreter, launches of ``kernel`` (an :func:`autotune` kernel) run its config
-    ``index`` instead of the first, so tests on CPU can check every config a GPU may pick."""
-    if not INTERPRETING:
-        raise RuntimeError("interpreted_config needs TRITON_INTERPRET=1 (on a GPU the autotuner picks)")
-    previous, kernel.best_config = kernel.best_config, kernel.configs[index]
+def forced_config(kernel, index: int) -> Iterator[None]:
+    """Launches of ``kernel`` (an :func:`autotune` kernel) run its config ``index`` instead of the
+    tuned (GPU) or first (interpreter) one, so tests can check every config a GPU may pick."""
+    configs = kernel.configs
+    if INTERPRETING:
+        previous, kernel.best_config = kernel.best_config, configs[index]
+    else:
+        kernel.configs = [configs[index]]  # triton's Autotuner runs a lone config without tuning
     try:
         yield
     finally:
-        kernel.best_config = previous
+        if INTERPRETING:
+            kernel.best_config = previous
+        else:
+            kernel.configs = configs
 
 
 class FusedOp:

@@ -1,8 +1,9 @@
-"""Every autotune config of every kernel, on CPU: the interpreter runs config i when told to.
+"""Every autotune config of every kernel, on the GPU and under the interpreter.
 
-On a GPU the autotuner may pick any config in a kernel's list, but the interpreter otherwise only
-ever runs the first; :func:`fuselm.ops._common.interpreted_config` forces each in turn here, on
-small ragged sizes (rows not a multiple of ROWS, several programs, a last partial block).
+The autotuner may pick any config in a kernel's list (the interpreter otherwise only ever runs the
+first, a GPU the fastest for the shape at hand); :func:`fuselm.ops._common.forced_config` forces
+each in turn here, on small ragged sizes (rows not a multiple of ROWS, several programs, a last
+partial block).
 """
 
 import pytest
@@ -11,13 +12,17 @@ import torch
 import fuselm
 from fuselm.backend import INTERPRETING
 from fuselm.ops import glu, rms_norm, rope
-from fuselm.ops._common import interpreted_config
+from fuselm.ops._common import forced_config
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
 from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 from fuselm.ops.rope import rope_reference
-from tests.helpers import assert_close, float64_leaf, grads, randn
+from tests.conftest import DEVICE
+from tests.helpers import assert_close, float64_leaf, grads
+from tests.helpers import randn as randn_on
 
-pytestmark = pytest.mark.skipif(not INTERPRETING, reason="on a GPU the autotuner runs every config itself")
+def randn(*shape, **options):
+    return randn_on(*shape, device=DEVICE, **options)
+
 
 NORM_SHAPES = [(5, 37), (19, 37)]  # 19 rows: partial bands of ROWS, several programs per launch
 
@@ -104,9 +109,11 @@ def _config_id(config):
     for name, kernel, check in FAMILIES for index, config in enumerate(kernel.configs)
 ])
 def test_every_config_matches_float64(kernel, check, index):
-    with fuselm.use_backend("triton"), interpreted_config(kernel, index):
+    configs = kernel.configs
+    with fuselm.use_backend("triton"), forced_config(kernel, index):
         check()
-    assert kernel.best_config is kernel.configs[0]  # the first config is back for the other tests
+    assert kernel.configs is configs  # the full list is back for the other tests
+    assert not INTERPRETING or kernel.best_config is configs[0]
 
 
 def test_the_forced_config_is_the_one_launched(monkeypatch):
@@ -114,6 +121,6 @@ def test_the_forced_config_is_the_one_launched(monkeypatch):
     run = kernel.fn.run
     monkeypatch.setattr(kernel.fn, "run",
                         lambda *args, **kwargs: launched.append(kwargs["BLOCK"]) or run(*args, **kwargs))
-    with fuselm.use_backend("triton"), interpreted_config(kernel, 3):
+    with fuselm.use_backend("triton"), forced_config(kernel, 3):
         fuselm.silu_mul(randn(5, 37), randn(5, 37))
     assert launched == [kernel.configs[3].kwargs["BLOCK"]] != [kernel.configs[0].kwargs["BLOCK"]]
