@@ -219,6 +219,7 @@ def _rms_norm_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------- launchers
+@functools.cache  # called on every launch; triton.next_power_of_2 alone costs microseconds
 def _block_cols(n_cols: int) -> tuple[int, bool]:
     if n_cols <= MAX_SINGLE_PASS_COLS:
         return triton.next_power_of_2(n_cols), True
