@@ -2,6 +2,8 @@
 
 import torch
 
+import fuselm
+
 # ‖out − ref‖ / ‖ref‖ that each dtype must reach against a float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -36,3 +38,17 @@ def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False, scale=
 def grads(outputs, inputs, grad_outputs):
     """Gradients of ``inputs`` for a backward pass fed ``grad_outputs`` (None where unused)."""
     return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+
+
+def assert_compiles_like_eager(fn, args, leaves) -> None:
+    """``torch.compile(fn, fullgraph=True)`` traces the Triton path with no graph break, and its output
+    and the gradients of ``leaves`` (fed one random upstream gradient) match eager's in fp32."""
+    with fuselm.use_backend("triton"):
+        eager = fn(*args)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0
+    assert_close(compiled, eager, torch.float32)
+    upstream = torch.randn_like(eager)
+    for i, (got, expected) in enumerate(zip(grads(compiled, leaves, upstream), grads(eager, leaves, upstream))):
+        assert_close(got, expected, torch.float32, f"gradient of leaf {i}")

@@ -276,7 +276,7 @@ def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd
     else:
         partial = torch.zeros(max_programs, n_cols, dtype=torch.float32, device=x.device)
     dx2 = dx.view(-1, n_cols)
-    grid = lambda meta: (min(sm_count * meta["PROGRAMS_PER_SM"], n_rows),)  # noqa: E731
+    grid = lambda meta: (min(sm_count * meta["PROGRAMS_PER_SM"], triton.cdiv(n_rows, meta["ROWS"])),)  # noqa: E731
     _rms_norm_bwd_kernel[grid](
         dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, partial,
         n_rows, n_cols, dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),

@@ -11,7 +11,7 @@ from fuselm.ops.cross_entropy import (
     default_chunk_tokens,
     linear_cross_entropy_reference,
 )
-from tests.helpers import assert_close, float64_leaf, grads, randn
+from tests.helpers import assert_close, assert_compiles_like_eager, float64_leaf, grads, randn
 
 N = 13
 DTYPES = [torch.float32, torch.bfloat16]
@@ -419,16 +419,7 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(device):
                                                   chunk_tokens=4)
         return loss + fuselm.linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_tokens=8).sum()
 
-    args = (logits, hidden, weight, b, labels, num_items)
-    inputs = (logits, hidden, weight, b)
-    with fuselm.use_backend("triton"):
-        eager = f(*args)
-        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
-        explained = torch._dynamo.explain(f)(*args)
-    assert explained.graph_break_count == 0
-    assert_close(compiled, eager, torch.float32)
-    for g_c, g_e in zip(grads(compiled, inputs, None), grads(eager, inputs, None)):
-        assert_close(g_c, g_e, torch.float32)
+    assert_compiles_like_eager(f, (logits, hidden, weight, b, labels, num_items), (logits, hidden, weight, b))
 
 
 def test_triton_path_appears_in_profile(device):

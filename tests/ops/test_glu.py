@@ -3,7 +3,7 @@ import torch
 
 import fuselm
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
-from tests.helpers import assert_close, float64_leaf, grads, randn
+from tests.helpers import assert_close, assert_compiles_like_eager, float64_leaf, grads, randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(0, 37), (3, 1), (5, 37), (2, 4097), (37,), (2, 3, 37)]  # 4097: past one 2048/4096 block
@@ -174,16 +174,7 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(device):
     gate = randn(5, 48, device=device, requires_grad=True)
     up = randn(5, 48, device=device, requires_grad=True)
     gate_up = randn(5, 96, device=device, requires_grad=True)
-    inputs = (gate, up, gate_up)
-    with fuselm.use_backend("triton"):
-        eager = _two_layer_mlp(*inputs)
-        compiled = torch.compile(_two_layer_mlp, fullgraph=True, backend="aot_eager")(*inputs)
-        graph = torch._dynamo.explain(_two_layer_mlp)(*inputs)
-    assert graph.graph_break_count == 0
-    assert_close(compiled, eager, torch.float32)
-    dout = randn(5, 48, device=device)
-    for c, e, name in zip(grads(compiled, inputs, dout), grads(eager, inputs, dout), ["gate", "up", "gate_up"]):
-        assert_close(c, e, torch.float32, f"d{name}")
+    assert_compiles_like_eager(_two_layer_mlp, (gate, up, gate_up), (gate, up, gate_up))
 
 
 def test_triton_path_appears_in_profile(device):

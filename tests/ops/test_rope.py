@@ -3,7 +3,7 @@ import torch
 
 import fuselm
 from fuselm.ops.rope import rope_reference
-from tests.helpers import assert_close, float64_leaf, grads, randn
+from tests.helpers import assert_close, assert_compiles_like_eager, float64_leaf, grads, randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = ["bhsd", "bshd"]
@@ -232,14 +232,7 @@ def test_torch_compile_fullgraph_traces_the_custom_ops(device):
         q_out, k_out = fuselm.rope(q, k, cos, sin)
         return q_out.sum(dim=1) + k_out.sum(dim=1) * 2
 
-    with fuselm.use_backend("triton"):
-        eager = f(q, k, cos, sin)
-        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, cos, sin)
-        graph = torch._dynamo.explain(f)(q, k, cos, sin)
-    assert graph.graph_break_count == 0
-    assert_close(compiled, eager, torch.float32)
-    for a, b in zip(grads(compiled, (q, k), torch.ones_like(compiled)), grads(eager, (q, k), torch.ones_like(eager))):
-        assert_close(a, b, torch.float32)
+    assert_compiles_like_eager(f, (q, k, cos, sin), (q, k))
 
 
 def test_torch_compile_fullgraph_traces_the_inplace_op(device):
