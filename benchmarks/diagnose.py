@@ -1,9 +1,10 @@
 """Where a fuselm call's time goes: GPU kernel or host (GPU machine only).
 
 Part 1: per op at the benchmark shape, the median time of the public call and of the same call
-replayed from a CUDA graph (no host overhead). Part 2: host microseconds per call on a tiny tensor,
-peeling one layer at a time (public function, torch.ops custom op, launcher, bare kernel launch),
-and a cProfile of the public call.
+replayed from a CUDA graph (no host overhead), and the GPU kernels one fwd+bwd step launches, with
+their times (torch.profiler). Part 2: host microseconds per call on a tiny tensor, peeling one
+layer at a time (public function, torch.ops custom op, launcher, bare kernel launch), and a
+cProfile of the public call.
 """
 
 import cProfile
@@ -47,6 +48,17 @@ def host_us(fn, calls=2000):
     return elapsed / calls * 1e6
 
 
+def profile_step(name, step):
+    """The CUDA kernels of one call of ``step`` (after a warm-up), with their GPU times."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"kernels of one {name}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
 def main():
     m, n = 16384, 4096
     x, r, dy = (torch.randn(m, n, device="cuda", dtype=BF16) for _ in range(3))
@@ -66,6 +78,19 @@ def main():
             print(f"{name:<22} call {bench(fn) * 1e3:8.1f} us   graph replay {bench(graphed(fn)) * 1e3:8.1f} us")
         print("tuned:", {k: str(v) for k, v in rms_norm._rms_norm_bwd_kernel.cache.items()})
 
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+
+    def fresh_grads(step):  # each step starts with no .grad, as the benchmark's steps do
+        def run():
+            for leaf in leaves:
+                leaf.grad = None
+            step()
+        return run
+
+    profile_step("rms_norm fwd+bwd", fresh_grads(lambda: fuselm.rms_norm(leaves[0], leaves[2]).backward(dy)))
+    profile_step("add_rms_norm fwd+bwd (x and residual are leaves)",
+                 fresh_grads(lambda: torch.autograd.backward(fuselm.add_rms_norm(*leaves), [dy, r])))
+    with torch.no_grad():
         tiny_a, tiny_b = a[:1], b[:1]
         out = torch.empty_like(tiny_a)
         numel = tiny_a.numel()
