@@ -68,8 +68,8 @@ def main():
     cases = {
         "rms_norm fwd": lambda: fuselm.rms_norm(x, w),
         "add_rms_norm fwd": lambda: fuselm.add_rms_norm(x, r, w),
-        "rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama"),
-        "add_rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, r, x, w, rstd, 0.0, "llama"),
+        "rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama", False),
+        "add_rms_norm bwd op": lambda: torch.ops.fuselm.rms_norm_backward(dy, r, x, w, rstd, 0.0, "llama", False),
         "silu_mul fwd": lambda: fuselm.silu_mul(a, b),
     }
     with torch.no_grad():

@@ -3,7 +3,9 @@
 For chunks of C = 256, 512 and 1024 tokens at the benchmark shape (8192 tokens × 4096 hidden ×
 128256 vocab, bf16): the median time of each of the four steps of one chunk (logits GEMM, the
 cross-entropy row kernel, the d hidden GEMM, the d weight update), their floors at the ceilings
-measured in the same run, and the d hidden and d weight GEMMs run on two streams at once.
+measured in the same run, and the d hidden and d weight GEMMs run on two streams at once. Then
+the cross-entropy row kernel's launch choices (block width and warps, programs per SM before rows
+are split into vocabulary segments) against its byte floor.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from fuselm.ops import cross_entropy
 from fuselm.ops.cross_entropy import _cross_entropy_rows
 
 BF16 = torch.bfloat16
@@ -70,6 +73,23 @@ def main() -> None:
             print(f"  {name:<34} {ms:7.3f} ms  {floor_text}")
         print(f"  four steps in sequence: {total:.3f} ms/chunk → {total * tokens / chunk:.1f} ms for {tokens} tokens")
         del buffer
+
+    print("\nCE row kernel launch choices (ms; floor = 3 passes over the chunk's logits at copy speed)")
+    original_config, original_per_sm = cross_entropy._launch_config, cross_entropy.PROGRAMS_PER_SM
+    for chunk in (256, 1024):
+        buffer = torch.randn(chunk, vocab, device="cuda", dtype=BF16)
+        loss, lse = torch.empty(chunk, device="cuda"), torch.empty(chunk, device="cuda")
+        floor = 3 * buffer.nbytes / (copy_tbps * 1e12) * 1e3
+        for block_v, warps in ((4096, 16), (4096, 8), (2048, 8), (2048, 4), (1024, 4)):
+            for per_sm in (4, 8, 16, 32):
+                cross_entropy._launch_config = lambda n_cols, b=block_v, w=warps: {"BLOCK_V": b, "num_warps": w}
+                cross_entropy.PROGRAMS_PER_SM = per_sm
+                ms = median_ms(lambda: _cross_entropy_rows(buffer, labels[:chunk], -100, 0.0, None, 0.0, None, True,
+                                                           out=(loss, lse)))
+                print(f"  C={chunk:<5} BLOCK_V={block_v:<5} warps={warps:<3} programs/SM={per_sm:<3} {ms:.3f} "
+                      f"({floor / ms:.0%} of floor)")
+        del buffer
+    cross_entropy._launch_config, cross_entropy.PROGRAMS_PER_SM = original_config, original_per_sm
 
 
 if __name__ == "__main__":

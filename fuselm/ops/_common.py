@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -69,6 +70,12 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, x.shape[-1])
     except RuntimeError:
         return x.reshape(-1, x.shape[-1])
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere): sizes persistent and split grids."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 quick_tuning = False  # GPU tests set this: configs are timed in ~1 ms each instead of ~125 ms

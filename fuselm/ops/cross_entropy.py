@@ -34,10 +34,11 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, check_same, check_tensor, new_output
+from fuselm.ops._common import FusedOp, as_rows, check_same, check_tensor, new_output, sm_count
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK_V = 4096  # vocabulary columns a program holds at a time; wider rows loop
+PROGRAMS_PER_SM = 8  # when rows are few, they are split along the vocabulary until this many run per SM
 # Default size of linear_cross_entropy's per-chunk logits buffer. Each chunk re-reads and re-writes
 # the whole [V, H] weight gradient, so smaller chunks cost time: on an H200 with Llama-3's vocabulary,
 # 64 MiB (256 tokens) took 1.48x the three GEMMs' time, 256 MiB (1024 tokens) 1.14x.
@@ -102,41 +103,45 @@ def _softcap(z, cap):
 
 
 @triton.jit
-def _row_stats(row_ptr, label, n_cols, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One pass over a row's logits: (lse, z[label], sum of z), fp32, with an online max."""
+def _segment_stats(row_ptr, start, end, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """One pass over logits[start:end] of a row: (max z, sum of exp(z - max), sum of z), fp32.
+
+    Only the running max is reduced across the block at each step; the exp and z sums accumulate
+    per lane and are reduced once at the end.
+    """
     block = tl.arange(0, BLOCK_V)
-    row_max = tl.full((), float("-inf"), tl.float32)
-    exp_sum = tl.zeros((), tl.float32)
-    z_sum = tl.zeros((), tl.float32)
-    z_label = tl.zeros((), tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + block
-        mask = cols < n_cols
+    seg_max = tl.full((), float("-inf"), tl.float32)
+    exp_sums = tl.zeros((BLOCK_V,), tl.float32)
+    z_sums = tl.zeros((BLOCK_V,), tl.float32)
+    for first in range(start, end, BLOCK_V):
+        cols = first + block
+        mask = cols < end
         z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z, _ = _softcap(z, softcap)
+        if HAS_SMOOTHING:
+            z_sums += tl.where(mask, z, 0.0)
         z = tl.where(mask, z, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(z, axis=0))
+        new_max = tl.maximum(seg_max, tl.max(z, axis=0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a block of only -inf logits: no NaN
-        exp_sum = exp_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
-        row_max = new_max
-        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        z_label += tl.sum(tl.where(cols == label, z, 0.0), axis=0)
-    return row_max + tl.log(exp_sum), z_label, z_sum
+        exp_sums = exp_sums * tl.exp(seg_max - shift) + tl.exp(z - shift)
+        seg_max = new_max
+    return seg_max, tl.sum(exp_sums, axis=0), tl.sum(z_sums, axis=0)
 
 
 @triton.jit
-def _store_row_grad(src_ptr, dst_ptr, label, lse, scale, n_cols, label_smoothing, softcap, z_loss,
-                    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """dst = scale * d(loss)/d(logits) for one row, recomputing softmax from src and lse.
+def _store_segment_grad(src_ptr, dst_ptr, start, end, label, lse, scale, n_cols, label_smoothing, softcap, z_loss,
+                        HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dst[start:end] = scale * d(loss)/d(logits) for one row, recomputing softmax from src and lse.
 
     d/dz_j = p_j * (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == label], times tanh's derivative
     when soft-capped. dst may be src (in place): each block is read before it is written.
     """
     block = tl.arange(0, BLOCK_V)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + block
-        mask = cols < n_cols
+    for first in range(start, end, BLOCK_V):
+        cols = first + block
+        mask = cols < end
         z = tl.load(src_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z, dcap = _softcap(z, softcap)
@@ -148,55 +153,107 @@ def _store_row_grad(src_ptr, dst_ptr, label, lse, scale, n_cols, label_smoothing
 
 
 @triton.jit
-def _cross_entropy_fwd_kernel(
-    logits_ptr, labels_ptr, loss_ptr, lse_ptr, scale_ptr,
-    n_cols, stride_logits, stride_scale, ignore_index, label_smoothing, softcap, z_loss,
-    HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+def _cross_entropy_partials_kernel(
+    logits_ptr, labels_ptr, partials_ptr, z_label_ptr,
+    n_cols, segment_cols, stride_logits, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # Program owns one row: reads its V logits and label, writes its fp32 loss and lse. With
-    # WRITE_GRAD it reads the row a second time and overwrites it in place with
+    # Program (row, segment) reads the row's logits [segment * segment_cols, + segment_cols) once
+    # and writes three fp32 partials (max, exp sum, z sum) to partials[row, :, segment]; the
+    # program whose segment holds the row's label also writes that (soft-capped) logit to z_label[row].
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
+    start = segment.to(tl.int64) * segment_cols
+    end = tl.minimum(start + segment_cols, n_cols)
+    row_ptr = logits_ptr + row * stride_logits
+    seg_max, exp_sum, z_sum = _segment_stats(row_ptr, start, end, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+    partial = partials_ptr + row * 3 * n_segments + segment
+    tl.store(partial, seg_max)
+    tl.store(partial + n_segments, exp_sum)
+    tl.store(partial + 2 * n_segments, z_sum)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    if (label >= start) & (label < end):
+        z_label = tl.load(row_ptr + label).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_label, _ = _softcap(z_label, softcap)
+        tl.store(z_label_ptr + row, z_label)
+
+
+@triton.jit
+def _cross_entropy_finish_kernel(
+    logits_ptr, labels_ptr, partials_ptr, z_label_ptr, loss_ptr, lse_ptr, scale_ptr,
+    n_cols, n_segments, segment_cols, stride_logits, stride_scale, ignore_index, label_smoothing, softcap, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_SEGMENTS: tl.constexpr,
+):
+    # Program (row, segment) combines the row's n_segments partials (3 fp32 each) into lse; segment 0
+    # writes the row's fp32 loss and lse. With WRITE_GRAD (one program per segment; else one per
+    # row) it reads its segment of the logits again and overwrites it in place with
     # scale[row] * d(loss)/d(logits) (linear_cross_entropy's private chunk buffer, never user data).
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_logits
+    segment = tl.program_id(1)
+    segments = tl.arange(0, BLOCK_SEGMENTS)
+    segment_ok = segments < n_segments
+    partials = partials_ptr + row * 3 * n_segments + segments
+    maxes = tl.load(partials, mask=segment_ok, other=float("-inf"))
+    row_max = tl.max(maxes, axis=0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    exp_sum = tl.sum(tl.load(partials + n_segments, mask=segment_ok, other=0.0) * tl.exp(maxes - shift), axis=0)
+    lse = shift + tl.log(exp_sum)
     label = tl.load(labels_ptr + row).to(tl.int64)
-    lse, z_label, z_sum = _row_stats(row_ptr, label, n_cols, softcap, HAS_SOFTCAP, BLOCK_V)
-    # eps = 0 must not turn -inf logits (z_sum = -inf) into 0 * inf = NaN
-    smoothing = tl.where(label_smoothing > 0, label_smoothing * (lse - z_sum / n_cols), 0.0)
-    loss = (1.0 - label_smoothing) * (lse - z_label) + smoothing + z_loss * lse * lse
     valid = label != ignore_index
-    in_range = (label >= 0) & (label < n_cols)
-    loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)  # a bad label shows as NaN
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+    if segment == 0:
+        in_range = (label >= 0) & (label < n_cols)
+        z_label = tl.load(z_label_ptr + row, mask=valid & in_range, other=0.0)
+        z_sum = tl.sum(tl.load(partials + 2 * n_segments, mask=segment_ok, other=0.0), axis=0)
+        # eps = 0 must not turn -inf logits (z_sum = -inf) into 0 * inf = NaN
+        smoothing = tl.where(label_smoothing > 0, label_smoothing * (lse - z_sum / n_cols), 0.0)
+        loss = (1.0 - label_smoothing) * (lse - z_label) + smoothing + z_loss * lse * lse
+        loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)  # a bad label shows as NaN
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
     if WRITE_GRAD:
         scale = 1.0
         if HAS_SCALE:
             scale = tl.load(scale_ptr + row * stride_scale)
         scale = tl.where(valid, scale, 0.0)
-        _store_row_grad(row_ptr, row_ptr, label, lse, scale, n_cols, label_smoothing, softcap, z_loss,
-                        HAS_SOFTCAP, BLOCK_V)
+        start = segment.to(tl.int64) * segment_cols
+        row_ptr = logits_ptr + row * stride_logits
+        _store_segment_grad(row_ptr, row_ptr, start, tl.minimum(start + segment_cols, n_cols), label, lse, scale,
+                            n_cols, label_smoothing, softcap, z_loss, HAS_SOFTCAP, BLOCK_V)
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
     grad_ptr, logits_ptr, labels_ptr, lse_ptr, dlogits_ptr,
-    n_cols, stride_grad, stride_logits, stride_dlogits, ignore_index, label_smoothing, softcap, z_loss,
+    n_cols, segment_cols, stride_grad, stride_logits, stride_dlogits, ignore_index, label_smoothing, softcap, z_loss,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # Program owns one row: reads its V logits once (plus label, lse and upstream gradient), writes
-    # its V dlogits once. Ignored rows get exact zeros whatever the upstream gradient holds.
+    # Program (row, segment) reads the segment's logits once (plus the row's label, lse and upstream
+    # gradient) and writes its dlogits once. Ignored rows get exact zeros whatever the upstream holds.
     row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1).to(tl.int64) * segment_cols
     label = tl.load(labels_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
     scale = tl.where(label != ignore_index, tl.load(grad_ptr + row * stride_grad).to(tl.float32), 0.0)
-    _store_row_grad(logits_ptr + row * stride_logits, dlogits_ptr + row * stride_dlogits, label, lse, scale,
-                    n_cols, label_smoothing, softcap, z_loss, HAS_SOFTCAP, BLOCK_V)
+    _store_segment_grad(logits_ptr + row * stride_logits, dlogits_ptr + row * stride_dlogits, start,
+                        tl.minimum(start + segment_cols, n_cols), label, lse, scale, n_cols, label_smoothing, softcap,
+                        z_loss, HAS_SOFTCAP, BLOCK_V)
 
 
 # ----------------------------------------------------------------------------------- launchers
 def _launch_config(n_cols: int) -> dict:
     block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
     return {"BLOCK_V": block_v, "num_warps": 16 if block_v >= 4096 else 8 if block_v >= 1024 else 4}
+
+
+def _segment_cols(n_rows: int, n_cols: int, block_v: int, device: torch.device) -> int:
+    """Columns per program: whole rows when there are rows enough to fill the GPU, else rows split
+    into segments of whole blocks until about PROGRAMS_PER_SM programs per SM run."""
+    n_blocks = triton.cdiv(n_cols, block_v)
+    segments = min(n_blocks, max(1, triton.cdiv(PROGRAMS_PER_SM * sm_count(device), n_rows)))
+    return triton.cdiv(n_blocks, segments) * block_v
 
 
 def _row_stride(t: Tensor) -> int:
@@ -208,19 +265,28 @@ def _cross_entropy_rows(logits: Tensor, labels: Tensor, ignore_index: int, label
                         out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Per-row loss and lse (fp32 [N], into ``out`` when given) of [N, V] logits; with ``write_grad``,
     also overwrites the logits in place with ``scale * d(loss)/d(logits)`` (scale: 0-dim or [N]
-    fp32; None for 1)."""
+    fp32; None for 1). Two launches: per-segment partial statistics, then their combination."""
     n_rows, n_cols = logits.shape
     if out is None:
         out = new_output((n_rows,), torch.float32, logits.device), new_output((n_rows,), torch.float32, logits.device)
     loss, lse = out
     if n_rows == 0:
         return loss, lse
-    _cross_entropy_fwd_kernel[(n_rows,)](
-        logits, labels, loss, lse, scale if scale is not None else loss,
-        n_cols, logits.stride(0), _row_stride(scale) if scale is not None else 0,
+    config = _launch_config(n_cols)
+    segment_cols = _segment_cols(n_rows, n_cols, config["BLOCK_V"], logits.device)
+    n_segments = triton.cdiv(n_cols, segment_cols)
+    partials = new_output((n_rows, 3, n_segments), torch.float32, logits.device)
+    z_label = new_output((n_rows,), torch.float32, logits.device)
+    _cross_entropy_partials_kernel[(n_rows, n_segments)](
+        logits, labels, partials, z_label, n_cols, segment_cols, logits.stride(0), softcap or 1.0,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, **config,
+    )
+    _cross_entropy_finish_kernel[(n_rows, n_segments if write_grad else 1)](
+        logits, labels, partials, z_label, loss, lse, scale if scale is not None else loss,
+        n_cols, n_segments, segment_cols, logits.stride(0), _row_stride(scale) if scale is not None else 0,
         ignore_index, label_smoothing, softcap or 1.0, z_loss,
         HAS_SOFTCAP=softcap is not None, HAS_SCALE=scale is not None, WRITE_GRAD=write_grad,
-        **_launch_config(n_cols),
+        BLOCK_SEGMENTS=triton.next_power_of_2(n_segments), **config,
     )
     return loss, lse
 
@@ -231,11 +297,13 @@ def _cross_entropy_dlogits(grad: Tensor, logits: Tensor, labels: Tensor, lse: Te
     dlogits = new_output((n_rows, n_cols), logits.dtype, logits.device)
     if n_rows == 0:
         return dlogits
-    _cross_entropy_bwd_kernel[(n_rows,)](
+    config = _launch_config(n_cols)
+    segment_cols = _segment_cols(n_rows, n_cols, config["BLOCK_V"], logits.device)
+    _cross_entropy_bwd_kernel[(n_rows, triton.cdiv(n_cols, segment_cols))](
         grad, logits, labels, lse, dlogits,
-        n_cols, _row_stride(grad), logits.stride(0), dlogits.stride(0),
+        n_cols, segment_cols, _row_stride(grad), logits.stride(0), dlogits.stride(0),
         ignore_index, label_smoothing, softcap or 1.0, z_loss,
-        HAS_SOFTCAP=softcap is not None, **_launch_config(n_cols),
+        HAS_SOFTCAP=softcap is not None, **config,
     )
     return dlogits
 
@@ -264,7 +332,9 @@ def _linear_cross_entropy_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | 
     loss = new_output((n_rows,), torch.float32, hidden.device)
     lse = new_output((n_rows,), torch.float32, hidden.device)
     dhidden = new_output((n_rows, hidden_size) if grad_hidden else (0,), hidden.dtype, hidden.device)
-    dweight = torch.zeros((vocab_size, hidden_size) if grad_weight else (0,), dtype=weight.dtype, device=weight.device)
+    # the first chunk's GEMM writes d weight (later ones accumulate): no zero-fill pass over [V, H]
+    dweight = (new_output if n_rows else torch.zeros)((vocab_size, hidden_size) if grad_weight else (0,),
+                                                      dtype=weight.dtype, device=weight.device)
     dbias = torch.zeros(vocab_size if grad_bias else 0, dtype=torch.float32, device=hidden.device)
     buffer = torch.empty(min(chunk_tokens, n_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, n_rows, chunk_tokens):
@@ -279,7 +349,9 @@ def _linear_cross_entropy_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | 
                             write_grad, out=(loss[start:end], lse[start:end]))
         if grad_hidden:
             torch.mm(logits, weight, out=dhidden[start:end])
-        if grad_weight:
+        if grad_weight and start == 0:
+            torch.mm(logits.t(), hidden_chunk, out=dweight)
+        elif grad_weight:
             dweight.addmm_(logits.t(), hidden_chunk)
         if grad_bias:
             dbias += logits.sum(0, dtype=torch.float32)

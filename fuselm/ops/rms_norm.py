@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, autotune, check_same_device, check_tensor, new_output
+from fuselm.ops._common import FusedOp, as_rows, autotune, check_same_device, check_tensor, new_output, sm_count
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
@@ -138,9 +138,11 @@ def _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x):
 
 
 @triton.jit
-def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask, stride_dsum, stride_dx,
-              HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
-    """Stores dx for one tile; returns the tile's dweight column sums (fp32).
+def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols, mask, stride_dsum,
+              stride_dx, stride_dresidual, HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
+              CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    """Stores dx (and the same values to dresidual) for one tile; returns the tile's dweight column
+    sums (fp32).
 
     mean_dot is the row's mean of (dy * w) * normed: what dx loses to the norm's projection.
     """
@@ -149,6 +151,8 @@ def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
     if HAS_DSUM:
         dx += tl.load(dsum_ptr + rows * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HAS_DRESIDUAL:
+        tl.store(dresidual_ptr + rows * stride_dresidual + cols, dx.to(dresidual_ptr.dtype.element_ty), mask=mask)
     if CAST_NORMED:
         normed = normed.to(INPUT_DTYPE).to(tl.float32)
     return tl.sum(dy * normed, axis=0)
@@ -162,19 +166,19 @@ _BWD_CONFIGS = [
 ]
 
 
-@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM"], prune_configs_by={"early_config_prune": _prune_by_registers},
+@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL"], prune_configs_by={"early_config_prune": _prune_by_registers},
           restore_value=["dweight_partial_ptr"])  # wide rows accumulate into it: tuning runs must not
 @triton.jit
 def _rms_norm_bwd_kernel(
-    dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dweight_partial_ptr,
-    n_rows, n_cols, stride_dy, stride_dsum, stride_x, stride_dx, offset,
-    HAS_DSUM: tl.constexpr, CAST_NORMED: tl.constexpr,
+    dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dresidual_ptr, dweight_partial_ptr,
+    n_rows, n_cols, stride_dy, stride_dsum, stride_x, stride_dx, stride_dresidual, offset,
+    HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     # Persistent program p of P: owns the blocks of ROWS rows that start at p*ROWS, (p+P)*ROWS, ...
     # (so the programs running at once work on neighbouring rows, as a plain grid would) and one
-    # fp32 row of dweight partial sums. Reads x, dy (and dsum) once and writes dx once when a row
-    # fits in BLOCK_N; the weight row is then read once per program. Wider rows are read twice (the
+    # fp32 row of dweight partial sums. Reads x, dy (and dsum) once and writes dx once (and the same
+    # values to dresidual) when a row fits in BLOCK_N; the weight row is then read once per program. Wider rows are read twice (the
     # row's mean_dot first, then dx) with their weight chunks, and their dweight partials accumulate
     # in place in the program's own row of the zero-initialised partial buffer.
     program = tl.program_id(0)
@@ -193,8 +197,9 @@ def _rms_norm_bwd_kernel(
             mask = row_ok & (cols < n_cols)
             x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
             mean_dot = tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True) / n_cols
-            dweight += _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask, stride_dsum,
-                                 stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
+            dweight += _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols, mask,
+                                 stride_dsum, stride_dx, stride_dresidual, HAS_DSUM, HAS_DRESIDUAL, CAST_NORMED,
+                                 input_dtype)
         else:
             mean_dot = tl.zeros([ROWS, 1], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
@@ -209,13 +214,31 @@ def _rms_norm_bwd_kernel(
                 mask = row_ok & (cols < n_cols)
                 x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
                 weight = _load_weight(weight_ptr, cols, n_cols, offset)
-                contribution = _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, rows, cols, mask,
-                                         stride_dsum, stride_dx, HAS_DSUM, CAST_NORMED, input_dtype)
+                contribution = _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols,
+                                         mask, stride_dsum, stride_dx, stride_dresidual, HAS_DSUM, HAS_DRESIDUAL,
+                                         CAST_NORMED, input_dtype)
                 col_ok = start + block < n_cols
                 chunk = partial_row + start + block
                 tl.store(chunk, tl.load(chunk, mask=col_ok) + contribution, mask=col_ok)
     if SINGLE_PASS:
         tl.store(partial_row + block, dweight, mask=block < n_cols)
+
+
+SUM_BLOCK_COLS, SUM_BLOCK_ROWS = 32, 128
+
+
+@triton.jit
+def _dweight_sum_kernel(partial_ptr, dweight_ptr, n_partials, n_cols, BLOCK_ROWS: tl.constexpr,
+                        BLOCK_COLS: tl.constexpr):
+    # Program owns BLOCK_COLS columns: reads their n_partials fp32 partial sums once (one 128-byte
+    # run per partial row) and writes their dweight once, in the weight's dtype.
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+    col_ok = cols < n_cols
+    total = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+    for first in range(0, n_partials, BLOCK_ROWS):
+        rows = (first + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
+        total += tl.load(partial_ptr + rows * n_cols + cols, mask=(rows < n_partials) & col_ok, other=0.0)
+    tl.store(dweight_ptr + cols, tl.sum(total, axis=0)[None, :].to(dweight_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -224,11 +247,6 @@ def _block_cols(n_cols: int) -> tuple[int, bool]:
     if n_cols <= MAX_SINGLE_PASS_COLS:
         return triton.next_power_of_2(n_cols), True
     return CHUNK_COLS, False
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _out_dtype(x: Tensor, weight: Tensor, casting: str) -> torch.dtype:
@@ -260,32 +278,37 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 
 
 def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
-                offset: float, casting: str) -> tuple[Tensor, Tensor]:
+                offset: float, casting: str, separate_residual_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     x2, dy2 = as_rows(x), as_rows(dy)
     dsum2 = as_rows(dsum) if dsum is not None else None
     n_rows, n_cols = x2.shape
     dx = new_output(x.shape, x.dtype, x.device)
+    dresidual = new_output(x.shape if separate_residual_grad else (0,), x.dtype, x.device)
     if n_rows == 0:
-        return dx, torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight), dresidual
     block_n, single_pass = _block_cols(n_cols)
-    sm_count = _sm_count(x.device)
+    n_sms = sm_count(x.device)
     # one fp32 row of dweight partial sums per program; the autotuner picks how many programs run
-    max_programs = min(sm_count * MAX_PROGRAMS_PER_SM, n_rows)
+    max_programs = min(n_sms * MAX_PROGRAMS_PER_SM, n_rows)
     if single_pass:
         partial = new_output((max_programs, n_cols), torch.float32, x.device)
     else:
         partial = torch.zeros(max_programs, n_cols, dtype=torch.float32, device=x.device)
     dx2 = dx.view(-1, n_cols)
-    grid = lambda meta: (min(sm_count * meta["PROGRAMS_PER_SM"], triton.cdiv(n_rows, meta["ROWS"])),)  # noqa: E731
+    dresidual2 = dresidual.view(-1, n_cols) if separate_residual_grad else dx2
+    grid = lambda meta: (min(n_sms * meta["PROGRAMS_PER_SM"], triton.cdiv(n_rows, meta["ROWS"])),)  # noqa: E731
     _rms_norm_bwd_kernel[grid](
-        dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, partial,
+        dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, dresidual2, partial,
         n_rows, n_cols, dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),
-        dx2.stride(0), offset,
-        HAS_DSUM=dsum is not None, CAST_NORMED=casting == "llama",
+        dx2.stride(0), dresidual2.stride(0), offset,
+        HAS_DSUM=dsum is not None, HAS_DRESIDUAL=separate_residual_grad, CAST_NORMED=casting == "llama",
         SINGLE_PASS=single_pass, BLOCK_N=block_n,
     )
-    partial = partial[: grid(_rms_norm_bwd_kernel.best_config.kwargs)[0]]
-    return dx, partial.sum(0).to(weight.dtype)
+    dweight = new_output(weight.shape, weight.dtype, weight.device)
+    _dweight_sum_kernel[(triton.cdiv(n_cols, SUM_BLOCK_COLS),)](
+        partial, dweight, grid(_rms_norm_bwd_kernel.best_config.kwargs)[0], n_cols,
+        BLOCK_ROWS=SUM_BLOCK_ROWS, BLOCK_COLS=SUM_BLOCK_COLS, num_warps=4)
+    return dx, dweight, dresidual
 
 
 # ----------------------------------------------------------------------------------- registration
@@ -300,8 +323,9 @@ def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
 
 
 def _rms_norm_backward_impl(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
-                            offset: float, casting: str) -> tuple[Tensor, Tensor]:
-    return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting)
+                            offset: float, casting: str, separate_residual_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dresidual): dresidual is a second copy of dx when ``separate_residual_grad``, else empty."""
+    return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad)
 
 
 # the fakes give the launchers' contiguous outputs
@@ -314,8 +338,8 @@ def _add_rms_norm_fake(x, residual, weight, eps, offset, casting):
     return y, x.new_empty(x.shape), rstd
 
 
-def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(x.shape if separate_residual_grad else (0,))
 
 
 def _setup_rms_norm(ctx, inputs, output):
@@ -326,22 +350,28 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _backward_rms_norm(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = RMS_NORM_BACKWARD(dy, None, x, weight, rstd, ctx.offset, ctx.casting)
+    dx, dweight, _ = RMS_NORM_BACKWARD(dy, None, x, weight, rstd, ctx.offset, ctx.casting, False)
     return dx, dweight, None, None, None
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
-    _, _, weight, _, offset, casting = inputs
+    x, residual, weight, _, offset, casting = inputs
     ctx.save_for_backward(output[1], weight, output[2])
     ctx.offset, ctx.casting = offset, casting
+    # x and residual get the same gradient. Handing one tensor to both is free unless one is a leaf
+    # (a direct call, or a layer input under reentrant gradient checkpointing): autograd then clones
+    # it for the leaf's .grad (a read and a write), where writing a second copy in the kernel costs
+    # only the write.
+    ctx.separate_residual_grad = x.requires_grad and residual.requires_grad and (x.is_leaf or residual.is_leaf)
 
 
 def _backward_add_rms_norm(ctx, dy, dsum, _drstd):
     total, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(total)
-    dx, dweight = RMS_NORM_BACKWARD(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting)
-    return dx, dx, dweight, None, None, None
+    dx, dweight, dresidual = RMS_NORM_BACKWARD(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting,
+                                               ctx.separate_residual_grad)
+    return dx, dresidual if ctx.separate_residual_grad else dx, dweight, None, None, None
 
 
 RMS_NORM_BACKWARD = FusedOp("rms_norm_backward", _rms_norm_backward_impl, fake=_rms_norm_backward_fake)

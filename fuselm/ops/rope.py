@@ -57,37 +57,35 @@ def _prune_by_registers(configs, named_args, **kwargs):
 
 _CONFIGS = [  # (positions, heads) per tile; the first is the one the interpreter runs
     triton.Config({"BLOCK_S": s, "BLOCK_H": h}, num_warps=w)
-    for s, h, w in [(2, 4, 4), (1, 8, 2), (2, 8, 2), (1, 16, 4), (2, 8, 4), (4, 16, 8),
-                    # many positions per head step: in [B, H, S, D] memory a tile is BLOCK_H runs of
-                    # BLOCK_S * D contiguous elements, so these move fewer, longer runs per step
-                    (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 1, 8), (64, 1, 8)]
+    for s, h, w in [(2, 4, 4), (4, 4, 4), (8, 4, 4), (16, 2, 4), (8, 8, 4), (16, 4, 4), (32, 2, 4), (16, 8, 8),
+                    (32, 4, 8), (64, 2, 8),
+                    # many positions per head: in [B, H, S, D] memory a tile is BLOCK_H runs of
+                    # BLOCK_S * D contiguous elements, so these move fewer, longer runs
+                    (64, 1, 4), (128, 1, 8)]
 ]
 
 
 @triton.jit
-def _rotate_heads(x_ptr, y_ptr, b, s, s_ok, d, c1, c2, n1, n2, n_heads, half, head_dim,
+def _rotate_heads(x_ptr, y_ptr, b, s, s_ok, heads, d, c1, c2, n1, n2, n_heads, half, head_dim,
                   stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
-                  COPY_TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_TAIL: tl.constexpr):
-    """Rotates every head of x at positions s ([BLOCK_S, 1, 1]) of batch row b into y, BLOCK_H heads at a time.
+                  COPY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """Rotates heads ([1, BLOCK_H, 1]; those >= n_heads masked off) of x at positions s ([BLOCK_S, 1, 1])
+    of batch row b into y: one [BLOCK_S, BLOCK_H, D] tile read once and written once.
 
     c1/c2/n1/n2 are the [BLOCK_S, 1, BLOCK_HALF] cos/sin halves; d indexes the first half.
     """
-    x_pos = x_ptr + b * stride_xb + s * stride_xs
-    y_pos = y_ptr + b * stride_yb + s * stride_ys
-    head_block = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
-    for first_head in range(0, n_heads, BLOCK_H):
-        heads = first_head + head_block
-        row_ok = s_ok & (heads < n_heads)
-        mask = row_ok & (d < half)
-        x_head, y_head = x_pos + heads * stride_xh, y_pos + heads * stride_yh
-        x1 = tl.load(x_head + d * stride_xd, mask=mask).to(tl.float32)
-        x2 = tl.load(x_head + (d + half) * stride_xd, mask=mask).to(tl.float32)
-        tl.store(y_head + d * stride_yd, (x1 * c1 - x2 * n1).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_head + (d + half) * stride_yd, (x2 * c2 + x1 * n2).to(y_ptr.dtype.element_ty), mask=mask)
-        if COPY_TAIL:
-            tail = 2 * half + tl.arange(0, BLOCK_TAIL).to(tl.int64)[None, None, :]
-            tail_mask = row_ok & (tail < head_dim)
-            tl.store(y_head + tail * stride_yd, tl.load(x_head + tail * stride_xd, mask=tail_mask), mask=tail_mask)
+    row_ok = s_ok & (heads < n_heads)
+    mask = row_ok & (d < half)
+    x_head = x_ptr + b * stride_xb + s * stride_xs + heads * stride_xh
+    y_head = y_ptr + b * stride_yb + s * stride_ys + heads * stride_yh
+    x1 = tl.load(x_head + d * stride_xd, mask=mask).to(tl.float32)
+    x2 = tl.load(x_head + (d + half) * stride_xd, mask=mask).to(tl.float32)
+    tl.store(y_head + d * stride_yd, (x1 * c1 - x2 * n1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_head + (d + half) * stride_yd, (x2 * c2 + x1 * n2).to(y_ptr.dtype.element_ty), mask=mask)
+    if COPY_TAIL:
+        tail = 2 * half + tl.arange(0, BLOCK_TAIL).to(tl.int64)[None, None, :]
+        tail_mask = row_ok & (tail < head_dim)
+        tl.store(y_head + tail * stride_yd, tl.load(x_head + tail * stride_xd, mask=tail_mask), mask=tail_mask)
 
 
 @triton.jit
@@ -100,11 +98,15 @@ def _rope_kernel(
     BACKWARD: tl.constexpr, COPY_TAIL: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # Program owns BLOCK_S positions of batch row b and every head of q and k there (strides are given in
-    # [B, S, H, D] order whatever the layout). Per position it reads R cos and R sin values once (reused by
-    # all Hq + Hk heads), reads q and k once and writes q_out and k_out once: (Hq + Hk) * D elements each
-    # way out of place (the tail d >= R copied when COPY_TAIL), (Hq + Hk) * R in place (q_out is q, k_out k).
-    b = tl.program_id(1).to(tl.int64)
+    # Program (p, g, b) owns positions [p * BLOCK_S, (p + 1) * BLOCK_S) of batch row b and BLOCK_H heads
+    # there: head group g of q when g < cdiv(Hq, BLOCK_H), else head group g - cdiv(Hq, BLOCK_H) of k
+    # (strides are given in [B, S, H, D] order whatever the layout). No loop: it reads its [BLOCK_S,
+    # BLOCK_H, D] tile once and writes it once, BLOCK_H * D elements per position each way out of place
+    # (the tail d >= R copied when COPY_TAIL), BLOCK_H * R in place (q_out is q, k_out k). Per position
+    # it reads R cos and R sin values, reused by its BLOCK_H heads; every head group re-reads them, which
+    # is L2 traffic (R cos + R sin values per position per head group), not extra DRAM traffic.
+    b = tl.program_id(2).to(tl.int64)
+    group = tl.program_id(1)
     s = (tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S))[:, None, None]
     s_ok = s < seq_len
     d = tl.arange(0, BLOCK_HALF).to(tl.int64)[None, None, :]
@@ -116,12 +118,16 @@ def _rope_kernel(
     n2 = tl.load(sin_pos + (d + half) * stride_nd, mask=mask).to(tl.float32)
     if BACKWARD:  # the transposed rotation: dx1 = dy1*c1 + dy2*n2, dx2 = dy2*c2 - dy1*n1
         n1, n2 = -n2, -n1
-    _rotate_heads(q_ptr, q_out_ptr, b, s, s_ok, d, c1, c2, n1, n2, n_heads_q, half, head_dim,
-                  stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
-                  COPY_TAIL, BLOCK_H, BLOCK_TAIL)
-    _rotate_heads(k_ptr, k_out_ptr, b, s, s_ok, d, c1, c2, n1, n2, n_heads_k, half, head_dim,
-                  stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
-                  COPY_TAIL, BLOCK_H, BLOCK_TAIL)
+    head_block = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
+    q_groups = tl.cdiv(n_heads_q, BLOCK_H)
+    if group < q_groups:
+        _rotate_heads(q_ptr, q_out_ptr, b, s, s_ok, group * BLOCK_H + head_block, d, c1, c2, n1, n2, n_heads_q,
+                      half, head_dim, stride_qb, stride_qs, stride_qh, stride_qd,
+                      stride_qob, stride_qos, stride_qoh, stride_qod, COPY_TAIL, BLOCK_TAIL)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, b, s, s_ok, (group - q_groups) * BLOCK_H + head_block, d, c1, c2, n1, n2,
+                      n_heads_k, half, head_dim, stride_kb, stride_ks, stride_kh, stride_kd,
+                      stride_kob, stride_kos, stride_koh, stride_kod, COPY_TAIL, BLOCK_TAIL)
 
 
 _TUNE_KEY = ["n_heads_q", "n_heads_k", "half", "head_dim", "BACKWARD", "COPY_TAIL"]
@@ -170,7 +176,8 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
     in_place = q_out is q
     copy_tail = not in_place and 2 * half < head_dim
     kernel = _rope_in_place if in_place else _rope_out_of_place
-    grid = lambda meta: (triton.cdiv(seq_len, meta["BLOCK_S"]), batch)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(seq_len, meta["BLOCK_S"]),  # noqa: E731
+                         triton.cdiv(n_heads_q, meta["BLOCK_H"]) + triton.cdiv(n_heads_k, meta["BLOCK_H"]), batch)
     kernel[grid](
         q, k, cos, sin, q_out, k_out, seq_len, n_heads_q, n_heads_k, half, head_dim,
         *_bshd_strides(q, layout), *_bshd_strides(k, layout),

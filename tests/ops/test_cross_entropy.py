@@ -19,9 +19,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _small_vocab_blocks(request, monkeypatch):
-    """Small tests use 64-column blocks, so V = 257 / 1000 exercise the looped, ragged row walk."""
+    """Small tests use 64-column blocks, so V = 257 / 1000 exercise the looped, ragged row walk, and
+    split their few rows into vocabulary segments as a GPU splits a chunk of 256 tokens."""
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setattr(ce_module, "MAX_BLOCK_V", 64)
+        monkeypatch.setattr(ce_module, "PROGRAMS_PER_SM", 64)
 
 
 def _labels(vocab, device, ignore_index=-100, n=N):
@@ -451,11 +453,13 @@ def test_gpu_cross_entropy_llama_vocab():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_linear_cross_entropy_llama_shape(reduction):
+@pytest.mark.parametrize("reduction,chunk_tokens", [("mean", None), ("none", None), ("mean", 256)])
+def test_gpu_linear_cross_entropy_llama_shape(reduction, chunk_tokens):
+    """Default chunks hold all 4096 tokens; 256-token chunks split each row into vocabulary segments."""
     hidden, weight, _ = _linear_inputs(4096, 32000, False, torch.bfloat16, "cuda", n=4096)
     labels = _labels(32000, "cuda", n=4096)
-    loss = fuselm.linear_cross_entropy(hidden, weight, labels, reduction=reduction, z_loss=1e-4)
+    loss = fuselm.linear_cross_entropy(hidden, weight, labels, reduction=reduction, z_loss=1e-4,
+                                       chunk_tokens=chunk_tokens)
     upstream = _upstream(loss)
     dhidden, dweight = grads(loss, (hidden, weight), upstream)
     hidden64, weight64 = float64_leaf(hidden), float64_leaf(weight)

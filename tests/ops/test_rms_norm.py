@@ -58,6 +58,29 @@ def test_add_rms_norm_matches_float64(path, device, shape, dtype, casting, offse
     assert_close(dw, dw64, dtype, "dweight", scale=2)
 
 
+@pytest.mark.parametrize("leaves", ["both", "residual", "neither"])
+def test_add_rms_norm_gradients_reach_leaf_and_inner_inputs(path, device, leaves):
+    """x and residual share one gradient. A leaf's .grad must be its own tensor (the kernel then
+    writes a second copy); inner inputs may share it. Either way the values are the reference's."""
+    x_leaf, w, r_leaf = _inputs((6, 37), torch.float32, device, residual=True)
+    x = x_leaf if leaves == "both" else x_leaf * 1.0
+    r = r_leaf if leaves != "neither" else r_leaf * 1.0
+    y, total = fuselm.add_rms_norm(x, r, w)
+    dy, dtotal = randn(6, 37, device=device), randn(6, 37, device=device)
+    if path == "triton":  # a second copy exactly where autograd would clone the shared gradient for a leaf
+        dx, dresidual = y.grad_fn.apply(dy, dtotal, torch.zeros(6, device=device))[:2]
+        assert (dx.data_ptr() != dresidual.data_ptr()) == (leaves != "neither")
+    torch.autograd.backward((y, total), (dy, dtotal))
+    x64, r64, w64 = float64_leaf(x_leaf), float64_leaf(r_leaf), float64_leaf(w)
+    torch.autograd.backward(add_rms_norm_reference(x64, r64, w64), (dy.double(), dtotal.double()))
+    assert_close(x_leaf.grad, x64.grad, torch.float32, "dx")
+    assert_close(r_leaf.grad, r64.grad, torch.float32, "dresidual")
+    assert x_leaf.grad.data_ptr() != r_leaf.grad.data_ptr()
+    expected_r = r_leaf.grad.clone()
+    x_leaf.grad.add_(1.0)  # accumulating into one leaf's .grad leaves the other alone
+    assert torch.equal(r_leaf.grad, expected_r)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_hf_casting_in_low_precision(path, device, dtype):
     """Against the same-dtype reference (HF's own arithmetic), not only float64."""
