@@ -4,7 +4,8 @@ Part 1: per op at the benchmark shape, the median time of the public call and of
 replayed from a CUDA graph (no host overhead), and the GPU kernels one fwd+bwd step launches, with
 their times (torch.profiler). Part 2: host microseconds per call on a tiny tensor, peeling one
 layer at a time (public function, torch.ops custom op, launcher, bare kernel launch), and a
-cProfile of the public call.
+cProfile of the public call. Part 3: linear cross-entropy fwd+bwd at the benchmark shape, its
+kernels against its wall time.
 """
 
 import cProfile
@@ -56,7 +57,31 @@ def profile_step(name, step):
         step()
         torch.cuda.synchronize()
     print(f"kernels of one {name}:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+def profile_linear_cross_entropy():
+    """Kernel time against wall time for one linear CE fwd+bwd at the benchmark shape (default chunks)."""
+    tokens, hidden, vocab = 8192, 4096, 128256
+    h = (torch.randn(tokens, hidden, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=BF16) * 0.02).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+
+    def step():
+        h.grad = w.grad = None
+        fuselm.linear_cross_entropy(h, w, y).backward()
+
+    step()
+    print(f"linear_cross_entropy fwd+bwd: {bench(step):.3f} ms per step (do_bench median)")
+    profile_step("linear_cross_entropy fwd+bwd", step)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"one step: {start.elapsed_time(end):.3f} ms wall (CUDA events), {kernel_ms:.3f} ms inside kernels")
 
 
 def main():
@@ -118,6 +143,7 @@ def main():
             fuselm.add_rms_norm(x[:1], r[:1], w)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    profile_linear_cross_entropy()
 
 
 if __name__ == "__main__":

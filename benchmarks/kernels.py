@@ -62,6 +62,14 @@ def measure_copy_gbps() -> float:
     return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
 
 
+def same_size_copy_ms(n_bytes: int) -> float:
+    """GPU time (CUDA-graph replay, as the kernels are timed) of a copy moving n_bytes (read + written):
+    the fixed costs a short kernel pays, e.g. do_bench's L2 flush write-back, are in it too."""
+    src = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return graph_replay_ms(lambda: dst.copy_(src))
+
+
 def measure_gemm_tflops(n: int = 8192) -> float:
     a, b = torch.randn(n, n, device="cuda", dtype=BF16), torch.randn(n, n, device="cuda", dtype=BF16)
     return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
@@ -88,6 +96,9 @@ def _outputs(result: object) -> list[torch.Tensor]:
 
 def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
     rows = []
+    copy_ms = {"fwd": same_size_copy_ms(case.fwd_bytes)}
+    if case.bwd_bytes is not None:
+        copy_ms["fwd+bwd"] = same_size_copy_ms(case.fwd_bytes + case.bwd_bytes)
     for impl, fn in case.impls.items():
         for pass_ in ("fwd", "fwd+bwd"):
             if pass_ == "fwd+bwd" and case.bwd_bytes is None:
@@ -119,6 +130,7 @@ def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
             rows.append({"kernel": case.kernel, "pass": pass_, "impl": impl, "ms": round(ms, 4),
                          "call_ms": round(call_ms, 4),
                          "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / copy_gbps, 1),
+                         "pct_same_size_copy": round(100 * copy_ms[pass_] / ms, 1),
                          "bytes": n_bytes, "formula": formula})
     return rows
 

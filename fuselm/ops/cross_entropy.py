@@ -37,8 +37,10 @@ from fuselm.backend import runs_triton
 from fuselm.ops._common import FusedOp, as_rows, check_same, check_tensor, new_output, sm_count
 
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK_V = 4096  # vocabulary columns a program holds at a time; wider rows loop
-PROGRAMS_PER_SM = 8  # when rows are few, they are split along the vocabulary until this many run per SM
+# Launch shape of the row kernels, from a sweep on the H200 (benchmarks/NOTES.md): 2048-column
+# blocks on 4 warps, and rows split along the vocabulary until 16 programs per SM run.
+MAX_BLOCK_V = 2048  # vocabulary columns a program holds at a time; wider rows loop
+PROGRAMS_PER_SM = 16
 # Default size of linear_cross_entropy's per-chunk logits buffer. Each chunk re-reads and re-writes
 # the whole [V, H] weight gradient, so smaller chunks cost time: on an H200 with Llama-3's vocabulary,
 # 64 MiB (256 tokens) took 1.48x the three GEMMs' time, 256 MiB (1024 tokens) 1.14x.
@@ -242,10 +244,22 @@ def _cross_entropy_bwd_kernel(
                         z_loss, HAS_SOFTCAP, BLOCK_V)
 
 
+SCALE_BLOCK = 2048
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
+    # Program owns BLOCK consecutive elements of x: reads and writes each once, x *= scale in fp32.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    scale = tl.load(scale_ptr).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------- launchers
 def _launch_config(n_cols: int) -> dict:
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
-    return {"BLOCK_V": block_v, "num_warps": 16 if block_v >= 4096 else 8 if block_v >= 1024 else 4}
+    return {"BLOCK_V": min(MAX_BLOCK_V, triton.next_power_of_2(n_cols)), "num_warps": 4}
 
 
 def _segment_cols(n_rows: int, n_cols: int, block_v: int, device: torch.device) -> int:
@@ -422,6 +436,19 @@ def _linear_cross_entropy_backward_impl(grad: Tensor, hidden: Tensor, weight: Te
     return dhidden, dweight, dbias
 
 
+def _scale_impl(x: Tensor, scale: Tensor) -> None:
+    """x *= scale in place, in fp32 arithmetic. x: contiguous, any float dtype; scale: 0-dim.
+
+    torch's ``x.mul_(scale)`` takes a generic, unvectorised path for a bf16 x and an fp32 scale: it
+    moved a Llama-3 d weight (2.1 GB) at ~1 TB/s on the H200, this kernel at copy speed."""
+    if x.numel():
+        _scale_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4)
+
+
+def _scale_fake(x, scale):
+    return None
+
+
 def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
             weight.new_empty(weight.shape if grad_weight else (0,)),
@@ -468,11 +495,14 @@ def _backward_linear_cross_entropy(ctx, grad, *_unused_output_grads):
             raise RuntimeError("linear_cross_entropy: backward ran twice through the same graph (retain_graph); "
                                "its gradients are computed in the forward pass and consumed by the first backward")
         ctx.consumed = True
-        grads, ctx.grads = [g.mul_(grad) for g in ctx.grads], None
+        for g in ctx.grads:
+            SCALE_(g, grad)
+        grads, ctx.grads = ctx.grads, None
     dhidden, dweight, dbias = (g if wanted else None for g, wanted in zip(grads, ctx.wanted))
     return (dhidden, dweight, dbias) + (None,) * 11
 
 
+SCALE_ = FusedOp("scale_", _scale_impl, fake=_scale_fake, mutates_args=("x",))
 LINEAR_CROSS_ENTROPY_BACKWARD = FusedOp("linear_cross_entropy_backward", _linear_cross_entropy_backward_impl,
                                         fake=_linear_cross_entropy_backward_fake)
 LINEAR_CROSS_ENTROPY = FusedOp("linear_cross_entropy", _linear_cross_entropy_impl, fake=_linear_cross_entropy_fake,
