@@ -130,26 +130,29 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x):
-    """(x, dy) as fp32 for one [rows, cols] tile."""
+def _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stride_x, stride_dsum,
+                      HAS_DSUM: tl.constexpr):
+    """(x, dy, dsum) as fp32 for one [rows, cols] tile (dsum 0 without HAS_DSUM). All three loads are
+    issued together, before the row reduction that needs x and dy, so dsum's latency hides behind it."""
     x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    return x, dy
+    dsum = 0.0
+    if HAS_DSUM:
+        dsum = tl.load(dsum_ptr + rows * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
+    return x, dy, dsum
 
 
 @triton.jit
-def _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols, mask, stride_dsum,
-              stride_dx, stride_dresidual, HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
-              CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+def _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols, mask, stride_dx,
+              stride_dresidual, HAS_DRESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
     """Stores dx (and the same values to dresidual) for one tile; returns the tile's dweight column
     sums (fp32).
 
-    mean_dot is the row's mean of (dy * w) * normed: what dx loses to the norm's projection.
+    mean_dot is the row's mean of (dy * w) * normed: what dx loses to the norm's projection; dsum
+    is the gradient reaching the residual sum directly (0 for a plain norm).
     """
     normed = x * rstd
-    dx = rstd * (dy * weight - normed * mean_dot)
-    if HAS_DSUM:
-        dx += tl.load(dsum_ptr + rows * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
+    dx = rstd * (dy * weight - normed * mean_dot) + dsum
     tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_DRESIDUAL:
         tl.store(dresidual_ptr + rows * stride_dresidual + cols, dx.to(dresidual_ptr.dtype.element_ty), mask=mask)
@@ -178,9 +181,10 @@ def _rms_norm_bwd_kernel(
     # Persistent program p of P: owns the blocks of ROWS rows that start at p*ROWS, (p+P)*ROWS, ...
     # (so the programs running at once work on neighbouring rows, as a plain grid would) and one
     # fp32 row of dweight partial sums. Reads x, dy (and dsum) once and writes dx once (and the same
-    # values to dresidual) when a row fits in BLOCK_N; the weight row is then read once per program. Wider rows are read twice (the
-    # row's mean_dot first, then dx) with their weight chunks, and their dweight partials accumulate
-    # in place in the program's own row of the zero-initialised partial buffer.
+    # values to dresidual) when a row fits in BLOCK_N; the weight row is then read once per program.
+    # Wider rows are read twice (the row's mean_dot first, then dx) with their weight chunks, and
+    # their dweight partials accumulate in place in the program's own row of the zero-initialised
+    # partial buffer.
     program = tl.program_id(0)
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
@@ -195,28 +199,29 @@ def _rms_norm_bwd_kernel(
         if SINGLE_PASS:
             cols = block[None, :]
             mask = row_ok & (cols < n_cols)
-            x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
+            x, dy, dsum = _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stride_x,
+                                            stride_dsum, HAS_DSUM)
             mean_dot = tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True) / n_cols
-            dweight += _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols, mask,
-                                 stride_dsum, stride_dx, stride_dresidual, HAS_DSUM, HAS_DRESIDUAL, CAST_NORMED,
-                                 input_dtype)
+            dweight += _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols, mask,
+                                 stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
         else:
             mean_dot = tl.zeros([ROWS, 1], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + block[None, :]
                 mask = row_ok & (cols < n_cols)
-                x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
+                x, dy, _ = _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stride_x,
+                                             stride_dsum, False)
                 weight = _load_weight(weight_ptr, cols, n_cols, offset)
                 mean_dot += tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True)
             mean_dot = mean_dot / n_cols
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + block[None, :]
                 mask = row_ok & (cols < n_cols)
-                x, dy = _load_grad_inputs(dy_ptr, x_ptr, rows, cols, mask, stride_dy, stride_x)
+                x, dy, dsum = _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stride_x,
+                                                stride_dsum, HAS_DSUM)
                 weight = _load_weight(weight_ptr, cols, n_cols, offset)
-                contribution = _store_dx(x, dy, weight, rstd, mean_dot, dsum_ptr, dx_ptr, dresidual_ptr, rows, cols,
-                                         mask, stride_dsum, stride_dx, stride_dresidual, HAS_DSUM, HAS_DRESIDUAL,
-                                         CAST_NORMED, input_dtype)
+                contribution = _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols,
+                                         mask, stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
                 col_ok = start + block < n_cols
                 chunk = partial_row + start + block
                 tl.store(chunk, tl.load(chunk, mask=col_ok) + contribution, mask=col_ok)
