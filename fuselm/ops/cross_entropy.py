@@ -11,10 +11,11 @@ first. Ignored tokens (label == ignore_index) contribute 0. ``reduction="mean"``
 the count of non-ignored tokens, or by ``num_items`` when given (HF's ``num_items_in_batch``).
 
 :func:`linear_cross_entropy` never materialises the [N, V] logits: it walks the tokens in chunks of
-``chunk_tokens`` rows. Per chunk, cuBLAS computes the logits into one reused buffer, a Triton kernel
-turns each row into its loss and overwrites the buffer in place with d(loss)/d(logits), and cuBLAS
-folds that into d hidden (this chunk's rows) and d weight (accumulated over chunks). For "mean" and
-"sum" this happens in the forward pass with a unit upstream gradient, and the backward only scales
+``chunk_tokens`` rows. Per chunk, cuBLAS computes the logits into one reused buffer, two Triton kernels
+turn each row into its loss and overwrite the buffer in place with d(loss)/d(logits) (rows split into
+vocabulary segments when a chunk has too few rows to fill the GPU), and cuBLAS folds that into d
+hidden (this chunk's rows) and d weight (accumulated over chunks). For "mean" and "sum" this happens
+in the forward pass with a unit upstream gradient, and the backward only scales
 the stored gradients by it (a 0-dim tensor). For "none" the upstream gradient differs per token and
 d weight cannot be rescaled after the fact, so the forward computes only the losses and the backward
 runs the chunk loop again with the per-token upstream gradients as the kernel's row scale.

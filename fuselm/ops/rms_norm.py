@@ -169,7 +169,8 @@ _BWD_CONFIGS = [
 ]
 
 
-@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL"], prune_configs_by={"early_config_prune": _prune_by_registers},
+@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL"],
+          prune_configs_by={"early_config_prune": _prune_by_registers},
           restore_value=["dweight_partial_ptr"])  # wide rows accumulate into it: tuning runs must not
 @triton.jit
 def _rms_norm_bwd_kernel(
@@ -344,7 +345,8 @@ def _add_rms_norm_fake(x, residual, weight, eps, offset, casting):
 
 
 def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(x.shape if separate_residual_grad else (0,))
+    dresidual_shape = x.shape if separate_residual_grad else (0,)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(dresidual_shape)
 
 
 def _setup_rms_norm(ctx, inputs, output):
