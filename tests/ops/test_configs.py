@@ -119,7 +119,8 @@ def test_every_config_matches_float64(kernel, check, index):
 def test_the_forced_config_is_the_one_launched(monkeypatch):
     kernel, launched = glu._glu_fwd_kernel, []
     run = kernel.fn.run
-    monkeypatch.setattr(kernel.fn, "run",
+    # an instance entry, removed afterwards (setattr would leave the bound method behind on the instance)
+    monkeypatch.setitem(vars(kernel.fn), "run",
                         lambda *args, **kwargs: launched.append(kwargs["BLOCK"]) or run(*args, **kwargs))
     with fuselm.use_backend("triton"), forced_config(kernel, 3):
         fuselm.silu_mul(randn(5, 37), randn(5, 37))
