@@ -456,8 +456,8 @@ def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
             bias.new_empty(bias.shape) if grad_bias else hidden.new_empty((0,), dtype=torch.float32))
 
 
-def _linear_cross_entropy_fake(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss,
-      chunk_tokens, grad_hidden, grad_weight, grad_bias):
+def _linear_cross_entropy_fake(hidden, weight, bias, labels, divisor, reduction, ignore_index, label_smoothing,
+                               softcap, z_loss, chunk_tokens, grad_hidden, grad_weight, grad_bias):
     reduce = reduction != "none"
     rows = hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
     loss = hidden.new_empty((), dtype=torch.float32) if reduce else torch.empty_like(rows)
@@ -465,8 +465,8 @@ def _linear_cross_entropy_fake(hidden, weight, bias, labels, divisor, reduction,
                                     reduce and grad_bias)
 
 
-def _linear_cross_entropy_backward_fake(grad, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens,
-      grad_hidden, grad_weight, grad_bias):
+def _linear_cross_entropy_backward_fake(grad, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap,
+                                        z_loss, chunk_tokens, grad_hidden, grad_weight, grad_bias):
     return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
 

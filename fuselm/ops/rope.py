@@ -19,7 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, autotune, check_same, check_same_device, check_tensor, new_output, new_output_like
+from fuselm.ops._common import (FusedOp, autotune, check_same, check_same_device, check_tensor, new_output,
+                                new_output_like)
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_TILE = 8192  # elements of one [positions, heads, h] tile that a program keeps in registers

@@ -83,7 +83,8 @@ def _launches_no_config_test_makes():
         weight = torch.randn(300, 16, dtype=dtype, requires_grad=True)
         for reduction in ("mean", "sum", "none"):
             fuselm.linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_tokens=4).sum().backward()
-        x, w = torch.randn(2, 20000, dtype=dtype, requires_grad=True), torch.randn(20000, dtype=dtype, requires_grad=True)
+        x = torch.randn(2, 20000, dtype=dtype, requires_grad=True)
+        w = torch.randn(20000, dtype=dtype, requires_grad=True)
         fuselm.add_rms_norm(x, x.detach() * 0.5, w)[0].sum().backward()
         q, k = torch.randn(1, 2, 3, 16, dtype=dtype, requires_grad=True), torch.randn(1, 1, 3, 16, dtype=dtype)
         cos, sin = torch.randn(1, 3, 8, dtype=dtype), torch.randn(1, 3, 8, dtype=dtype)
