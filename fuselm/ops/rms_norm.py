@@ -79,9 +79,9 @@ def _load_weight(weight_ptr, cols, n_cols, offset):
 
 
 @triton.jit
-def _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset,
-                  CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
-    weight = _load_weight(weight_ptr, cols, n_cols, offset)
+def _store_normed(x, rstd, weight, y_ptr, rows, cols, mask, stride_y, CAST_NORMED: tl.constexpr,
+                  INPUT_DTYPE: tl.constexpr):
+    """y = (offset + weight) * normalised x for one tile; weight is already offset, in fp32."""
     normed = x * rstd
     if CAST_NORMED:
         normed = normed.to(INPUT_DTYPE).to(tl.float32)
@@ -106,8 +106,9 @@ def _rms_norm_fwd_kernel(
         mask = row_ok & (cols < n_cols)
         x = _load_input(x_ptr, residual_ptr, sum_ptr, rows, cols, mask, stride_x, stride_residual, stride_sum,
                         HAS_RESIDUAL)
+        weight = _load_weight(weight_ptr, cols, n_cols, offset)  # issued before the reduction: latency hidden
         rstd = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / n_cols + eps)
-        _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset, CAST_NORMED, input_dtype)
+        _store_normed(x, rstd, weight, y_ptr, rows, cols, mask, stride_y, CAST_NORMED, input_dtype)
     else:
         sum_of_squares = tl.zeros([ROWS, 1], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
@@ -124,8 +125,8 @@ def _rms_norm_fwd_kernel(
                 x = tl.load(sum_ptr + rows * stride_sum + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            _store_normed(x, rstd, weight_ptr, y_ptr, rows, cols, mask, n_cols, stride_y, offset, CAST_NORMED,
-                          input_dtype)
+            _store_normed(x, rstd, _load_weight(weight_ptr, cols, n_cols, offset), y_ptr, rows, cols, mask, stride_y,
+                          CAST_NORMED, input_dtype)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
