@@ -4,7 +4,8 @@ For chunks of C = 256, 512 and 1024 tokens at the benchmark shape (8192 tokens �
 128256 vocab, bf16): the median time of each of the four steps of one chunk (logits GEMM, the
 cross-entropy row kernel, the d hidden GEMM, the d weight update), their floors at the ceilings
 measured in the same run, and the d hidden and d weight GEMMs run on two streams at once. Then
-the cross-entropy row kernel's launch choices (block width and warps, programs per SM before rows
+the Triton d weight update against cuBLAS's, alone and on a capped grid beside the d hidden GEMM,
+and the cross-entropy row kernel's launch choices (block width and warps, programs per SM before rows
 are split into vocabulary segments) against its byte floor.
 """
 
@@ -72,6 +73,25 @@ def main() -> None:
             floor_text = f"floor {floor:.3f} ms ({floor / ms:.0%})" if floor is not None else ""
             print(f"  {name:<34} {ms:7.3f} ms  {floor_text}")
         print(f"  four steps in sequence: {total:.3f} ms/chunk → {total * tokens / chunk:.1f} ms for {tokens} tokens")
+        del buffer
+
+    print("\nd weight update: cuBLAS addmm_ against the Triton kernel, alone and beside the d hidden GEMM")
+    for chunk in (256, 512, 1024):
+        buffer = torch.randn(chunk, vocab, device="cuda", dtype=BF16) * 1e-3
+        dhidden = torch.empty(chunk, hidden, device="cuda", dtype=BF16)
+        h_chunk = h[:chunk]
+        floor = 2 * dweight.nbytes / (copy_tbps * 1e12) * 1e3
+        cublas = median_ms(lambda: dweight.addmm_(buffer.t(), h_chunk))
+        triton_full = median_ms(lambda: cross_entropy._dweight_update(buffer, h_chunk, dweight, True))
+        print(f"  C={chunk:<5} cuBLAS {cublas:.3f} ms, Triton {triton_full:.3f} ms (byte floor {floor:.3f} ms)")
+        for programs in (33, 66, 99):
+            def beside():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    cross_entropy._dweight_update(buffer, h_chunk, dweight, True, programs)
+                torch.mm(buffer, w, out=dhidden)
+                torch.cuda.current_stream().wait_stream(side)
+            print(f"    d hidden (cuBLAS) ∥ Triton d weight on {programs} programs: {median_ms(beside):.3f} ms")
         del buffer
 
     print("\nCE row kernel launch choices (ms; floor = 3 passes over the chunk's logits at copy speed)")

@@ -49,8 +49,11 @@ def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
 
 # ----------------------------------------------------------------------------------- kernels
 def _prune_by_registers(configs, named_args, **kwargs):
-    block_n = {**named_args, **kwargs}["BLOCK_N"]
-    kept = [c for c in configs if c.kwargs["ROWS"] * block_n <= 16384]
+    """Drops tiles too large for registers (a prefetching program holds two) and, for rows wider
+    than one block, the prefetching configs (only the single-pass backward prefetches)."""
+    args = {**named_args, **kwargs}
+    kept = [c for c in configs if c.kwargs["ROWS"] * args["BLOCK_N"] * (2 if c.kwargs.get("PREFETCH") else 1) <= 16384
+            and (args.get("SINGLE_PASS", True) or not c.kwargs.get("PREFETCH"))]
     return kept or configs[:1]
 
 
@@ -144,6 +147,16 @@ def _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stri
 
 
 @triton.jit
+def _load_row_block(dy_ptr, x_ptr, dsum_ptr, rstd_ptr, rows, cols, n_rows, n_cols, stride_dy, stride_x, stride_dsum,
+                    HAS_DSUM: tl.constexpr):
+    """(x, dy, dsum, rstd) of one block of whole rows ([ROWS, 1] rows; rows >= n_rows read nothing)."""
+    row_ok = rows < n_rows
+    x, dy, dsum = _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, row_ok & (cols < n_cols), stride_dy, stride_x,
+                                    stride_dsum, HAS_DSUM)
+    return x, dy, dsum, tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols, mask, stride_dx,
               stride_dresidual, HAS_DRESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr, INPUT_DTYPE: tl.constexpr):
     """Stores dx (and the same values to dresidual) for one tile; returns the tile's dweight column
@@ -164,9 +177,12 @@ def _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, 
 
 MAX_PROGRAMS_PER_SM = 8
 _BWD_CONFIGS = [
-    triton.Config({"ROWS": rows, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
-    for rows, per_sm, warps in [(1, 2, 8), (1, 4, 4), (1, 4, 8), (1, 8, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8),
-                                (2, 8, 4), (4, 2, 8), (4, 2, 16), (4, 4, 4), (4, 4, 8)]
+    triton.Config({"ROWS": rows, "PROGRAMS_PER_SM": per_sm, "PREFETCH": prefetch}, num_warps=warps)
+    for rows, per_sm, warps, prefetch in [
+        (1, 2, 8, False), (1, 4, 4, False), (1, 4, 8, False), (1, 8, 4, False), (2, 2, 8, False), (2, 4, 4, False),
+        (2, 4, 8, False), (2, 8, 4, False), (4, 2, 8, False), (4, 2, 16, False), (4, 4, 4, False), (4, 4, 8, False),
+        # two row blocks in flight per program: the next block's loads go out before this one's reduction
+        (1, 2, 8, True), (1, 4, 8, True), (2, 2, 8, True), (2, 4, 8, True), (2, 2, 16, True)]
 ]
 
 
@@ -179,34 +195,48 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, stride_dy, stride_dsum, stride_x, stride_dx, stride_dresidual, offset,
     HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Persistent program p of P: owns the blocks of ROWS rows that start at p*ROWS, (p+P)*ROWS, ...
     # (so the programs running at once work on neighbouring rows, as a plain grid would) and one
     # fp32 row of dweight partial sums. Reads x, dy (and dsum) once and writes dx once (and the same
     # values to dresidual) when a row fits in BLOCK_N; the weight row is then read once per program.
-    # Wider rows are read twice (the row's mean_dot first, then dx) with their weight chunks, and
-    # their dweight partials accumulate in place in the program's own row of the zero-initialised
-    # partial buffer.
+    # With PREFETCH the next row block's loads are issued before this block's reduction (two blocks
+    # in flight). Wider rows are read twice (the row's mean_dot first, then dx) with their weight
+    # chunks, and their dweight partials accumulate in place in the program's own row of the
+    # zero-initialised partial buffer.
     program = tl.program_id(0)
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
     block = tl.arange(0, BLOCK_N)
-    dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+    step = tl.num_programs(0) * ROWS
     if SINGLE_PASS:
-        weight = _load_weight(weight_ptr, block[None, :], n_cols, offset)
-    for first_row in range(program * ROWS, n_rows, tl.num_programs(0) * ROWS):
-        rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-        row_ok = rows < n_rows
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        if SINGLE_PASS:
-            cols = block[None, :]
-            mask = row_ok & (cols < n_cols)
-            x, dy, dsum = _load_grad_inputs(dy_ptr, x_ptr, dsum_ptr, rows, cols, mask, stride_dy, stride_x,
-                                            stride_dsum, HAS_DSUM)
+        cols = block[None, :]
+        weight = _load_weight(weight_ptr, cols, n_cols, offset)
+        dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rows = (program * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        x, dy, dsum, rstd = _load_row_block(dy_ptr, x_ptr, dsum_ptr, rstd_ptr, rows, cols, n_rows, n_cols, stride_dy,
+                                            stride_x, stride_dsum, HAS_DSUM)
+        for _ in range(program * ROWS, n_rows, step):
+            next_rows = rows + step
+            if PREFETCH:
+                next_block = _load_row_block(dy_ptr, x_ptr, dsum_ptr, rstd_ptr, next_rows, cols, n_rows, n_cols,
+                                             stride_dy, stride_x, stride_dsum, HAS_DSUM)
             mean_dot = tl.sum(dy * weight * x * rstd, axis=1, keep_dims=True) / n_cols
-            dweight += _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols, mask,
-                                 stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
-        else:
+            dweight += _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols,
+                                 (rows < n_rows) & (cols < n_cols), stride_dx, stride_dresidual, HAS_DRESIDUAL,
+                                 CAST_NORMED, input_dtype)
+            if not PREFETCH:
+                next_block = _load_row_block(dy_ptr, x_ptr, dsum_ptr, rstd_ptr, next_rows, cols, n_rows, n_cols,
+                                             stride_dy, stride_x, stride_dsum, HAS_DSUM)
+            x, dy, dsum, rstd = next_block
+            rows = next_rows
+        tl.store(partial_row + block, dweight, mask=block < n_cols)
+    else:
+        for first_row in range(program * ROWS, n_rows, step):
+            rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+            row_ok = rows < n_rows
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
             mean_dot = tl.zeros([ROWS, 1], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + block[None, :]
@@ -227,8 +257,6 @@ def _rms_norm_bwd_kernel(
                 col_ok = start + block < n_cols
                 chunk = partial_row + start + block
                 tl.store(chunk, tl.load(chunk, mask=col_ok) + contribution, mask=col_ok)
-    if SINGLE_PASS:
-        tl.store(partial_row + block, dweight, mask=block < n_cols)
 
 
 SUM_BLOCK_COLS, SUM_BLOCK_ROWS = 32, 128
