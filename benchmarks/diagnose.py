@@ -5,8 +5,14 @@ replayed from a CUDA graph (no host overhead), and the GPU kernels one fwd+bwd s
 their times (torch.profiler). Part 2: host microseconds per call on a tiny tensor, peeling one
 layer at a time (public function, torch.ops custom op, launcher, bare kernel launch), and a
 cProfile of the public call. Part 3: linear cross-entropy fwd+bwd at the benchmark shape, its
-kernels against its wall time.
+kernels against its wall time. Part 4: one batch-1 prefill of 2048 tokens through a 4-layer
+Llama-3-8B-shaped model, patched by fuselm and by Liger-Kernel (when it imports): each one's kernels
+with their GPU times, and the wall time.
+
+    python benchmarks/diagnose.py [--parts 1 2 3 4]
 """
+
+import argparse
 
 import cProfile
 import pstats
@@ -57,7 +63,7 @@ def profile_step(name, step):
         step()
         torch.cuda.synchronize()
     print(f"kernels of one {name}:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def profile_linear_cross_entropy():
@@ -84,7 +90,41 @@ def profile_linear_cross_entropy():
     print(f"one step: {start.elapsed_time(end):.3f} ms wall (CUDA events), {kernel_ms:.3f} ms inside kernels")
 
 
+def profile_prefill():
+    """Kernels and wall time of one prefill (B1 × 2048, 4 layers), fuselm-patched against Liger-patched."""
+    from e2e import build, median_ms
+
+    prompt = torch.randint(0, 128256, (1, 2048), device="cuda")
+    patchers = {"fuselm": fuselm.patch}
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        patchers["liger"] = lambda model: apply_liger_kernel_to_llama(fused_linear_cross_entropy=False, model=model)
+    except ImportError:
+        print("liger-kernel not importable: fuselm only")
+    for name, patch in patchers.items():  # fuselm first: Liger also swaps classes in transformers' module
+        model = build(4, smoke=False)
+        patch(model)
+        with torch.no_grad():
+            run = lambda: model(prompt, logits_to_keep=1, use_cache=False)  # noqa: E731
+            print(f"{name} prefill, 4 layers: {median_ms(run, repeats=10, warmup=3):.2f} ms")
+            profile_step(f"{name} prefill", run)
+        del model
+        torch.cuda.empty_cache()
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    parts = parser.parse_args().parts
+    if 1 in parts or 2 in parts:
+        per_op_and_host()
+    if 3 in parts:
+        profile_linear_cross_entropy()
+    if 4 in parts:
+        profile_prefill()
+
+
+def per_op_and_host():
     m, n = 16384, 4096
     x, r, dy = (torch.randn(m, n, device="cuda", dtype=BF16) for _ in range(3))
     w = torch.randn(n, device="cuda", dtype=BF16)
@@ -143,7 +183,6 @@ def main():
             fuselm.add_rms_norm(x[:1], r[:1], w)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
-    profile_linear_cross_entropy()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ For chunks of C = 256, 512 and 1024 tokens at the benchmark shape (8192 tokens �
 128256 vocab, bf16): the median time of each of the four steps of one chunk (logits GEMM, the
 cross-entropy row kernel, the d hidden GEMM, the d weight update), their floors at the ceilings
 measured in the same run, and the d hidden and d weight GEMMs run on two streams at once. Then
-the Triton d weight update against cuBLAS's, alone and on a capped grid beside the d hidden GEMM,
-and the cross-entropy row kernel's launch choices (block width and warps, programs per SM before rows
-are split into vocabulary segments) against its byte floor.
+the Triton d weight update against cuBLAS's for several tile shapes, alone and on a capped grid
+beside the d hidden GEMM. (The cross-entropy row kernel's launch sweep that chose its launch shape is
+in NOTES.md, session 3.)
 """
 
 from __future__ import annotations
@@ -75,41 +75,39 @@ def main() -> None:
         print(f"  four steps in sequence: {total:.3f} ms/chunk → {total * tokens / chunk:.1f} ms for {tokens} tokens")
         del buffer
 
-    print("\nd weight update: cuBLAS addmm_ against the Triton kernel, alone and beside the d hidden GEMM")
-    for chunk in (256, 512, 1024):
+    print("\nd weight update: cuBLAS addmm_ against the Triton kernel (tile shapes), alone and beside the d hidden GEMM")
+    default_tile = dict(cross_entropy.DWEIGHT_TILE)
+    tiles = [default_tile, {**default_tile, "num_stages": 4}, {**default_tile, "BLOCK_H": 256},
+             {**default_tile, "BLOCK_V": 256}, {**default_tile, "num_warps": 4}, {**default_tile, "BLOCK_T": 32}]
+    for chunk in (256, 1024):
         buffer = torch.randn(chunk, vocab, device="cuda", dtype=BF16) * 1e-3
         dhidden = torch.empty(chunk, hidden, device="cuda", dtype=BF16)
         h_chunk = h[:chunk]
         floor = 2 * dweight.nbytes / (copy_tbps * 1e12) * 1e3
         cublas = median_ms(lambda: dweight.addmm_(buffer.t(), h_chunk))
-        triton_full = median_ms(lambda: cross_entropy._dweight_update(buffer, h_chunk, dweight, True))
-        print(f"  C={chunk:<5} cuBLAS {cublas:.3f} ms, Triton {triton_full:.3f} ms (byte floor {floor:.3f} ms)")
-        for programs in (33, 66, 99):
-            def beside():
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    cross_entropy._dweight_update(buffer, h_chunk, dweight, True, programs)
-                torch.mm(buffer, w, out=dhidden)
-                torch.cuda.current_stream().wait_stream(side)
-            print(f"    d hidden (cuBLAS) ∥ Triton d weight on {programs} programs: {median_ms(beside):.3f} ms")
+        dh_alone = median_ms(lambda: torch.mm(buffer, w, out=dhidden))
+        print(f"  C={chunk}: cuBLAS {cublas:.3f} ms (byte floor {floor:.3f} ms); d hidden GEMM alone {dh_alone:.3f} ms;"
+              f" the two in sequence {cublas + dh_alone:.3f} ms")
+        for tile in tiles:
+            cross_entropy.DWEIGHT_TILE = tile
+            try:
+                alone = median_ms(lambda: cross_entropy._dweight_update(buffer, h_chunk, dweight, True))
+            except Exception as error:  # e.g. out of shared memory for this tile
+                print(f"    {tile}: {type(error).__name__}: {str(error)[:100]}")
+                continue
+            beside = []
+            for programs in (33, 66, 99, 132):
+                def both():
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        cross_entropy._dweight_update(buffer, h_chunk, dweight, True, programs)
+                    torch.mm(buffer, w, out=dhidden)
+                    torch.cuda.current_stream().wait_stream(side)
+                beside.append(f"{programs}: {median_ms(both):.3f}")
+            print(f"    {tile}: alone {alone:.3f} ms ({floor / alone:.0%} of floor); with d hidden, by programs "
+                  + ", ".join(beside))
+        cross_entropy.DWEIGHT_TILE = default_tile
         del buffer
-
-    print("\nCE row kernel launch choices (ms; floor = 3 passes over the chunk's logits at copy speed)")
-    original_config, original_per_sm = cross_entropy._launch_config, cross_entropy.PROGRAMS_PER_SM
-    for chunk in (256, 1024):
-        buffer = torch.randn(chunk, vocab, device="cuda", dtype=BF16)
-        loss, lse = torch.empty(chunk, device="cuda"), torch.empty(chunk, device="cuda")
-        floor = 3 * buffer.nbytes / (copy_tbps * 1e12) * 1e3
-        for block_v, warps in ((4096, 16), (4096, 8), (2048, 8), (2048, 4), (1024, 4)):
-            for per_sm in (4, 8, 16, 32):
-                cross_entropy._launch_config = lambda n_cols, b=block_v, w=warps: {"BLOCK_V": b, "num_warps": w}
-                cross_entropy.PROGRAMS_PER_SM = per_sm
-                ms = median_ms(lambda: _cross_entropy_rows(buffer, labels[:chunk], -100, 0.0, None, 0.0, None, True,
-                                                           out=(loss, lse)))
-                print(f"  C={chunk:<5} BLOCK_V={block_v:<5} warps={warps:<3} programs/SM={per_sm:<3} {ms:.3f} "
-                      f"({floor / ms:.0%} of floor)")
-        del buffer
-    cross_entropy._launch_config, cross_entropy.PROGRAMS_PER_SM = original_config, original_per_sm
 
 
 if __name__ == "__main__":

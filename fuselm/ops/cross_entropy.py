@@ -260,7 +260,12 @@ def _dweight_update_kernel(
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         v = ((tile // n_h_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         h = ((tile % n_h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-        acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+        out = dweight_ptr + v[:, None] * stride_dweight + h[None, :]
+        mask = (v[:, None] < vocab_size) & (h[None, :] < hidden_size)
+        if ACCUMULATE:  # issued first: its latency hides behind the token loop
+            acc = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
         for first in range(0, n_tokens, BLOCK_T):
             t = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
             dlogits_t = tl.load(dlogits_ptr + t[None, :] * stride_dlogits + v[:, None],
@@ -268,10 +273,6 @@ def _dweight_update_kernel(
             hidden = tl.load(hidden_ptr + t[:, None] * stride_hidden + h[None, :],
                              mask=(t[:, None] < n_tokens) & (h[None, :] < hidden_size), other=0.0)
             acc = tl.dot(dlogits_t, hidden, acc)
-        out = dweight_ptr + v[:, None] * stride_dweight + h[None, :]
-        mask = (v[:, None] < vocab_size) & (h[None, :] < hidden_size)
-        if ACCUMULATE:
-            acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
         tl.store(out, acc.to(dweight_ptr.dtype.element_ty), mask=mask)
 
 

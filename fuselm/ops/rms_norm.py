@@ -187,8 +187,7 @@ _BWD_CONFIGS = [
 
 
 @autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL"],
-          prune_configs_by={"early_config_prune": _prune_by_registers},
-          restore_value=["dweight_partial_ptr"])  # wide rows accumulate into it: tuning runs must not
+          prune_configs_by={"early_config_prune": _prune_by_registers})
 @triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dresidual_ptr, dweight_partial_ptr,
@@ -204,7 +203,7 @@ def _rms_norm_bwd_kernel(
     # With PREFETCH the next row block's loads are issued before this block's reduction (two blocks
     # in flight). Wider rows are read twice (the row's mean_dot first, then dx) with their weight
     # chunks, and their dweight partials accumulate in place in the program's own row of the
-    # zero-initialised partial buffer.
+    # partial buffer (its first row block stores them).
     program = tl.program_id(0)
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
@@ -256,7 +255,8 @@ def _rms_norm_bwd_kernel(
                                          mask, stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
                 col_ok = start + block < n_cols
                 chunk = partial_row + start + block
-                tl.store(chunk, tl.load(chunk, mask=col_ok) + contribution, mask=col_ok)
+                earlier = tl.load(chunk, mask=col_ok & (first_row > program * ROWS), other=0.0)  # 0 on the first block
+                tl.store(chunk, earlier + contribution, mask=col_ok)
 
 
 SUM_BLOCK_COLS, SUM_BLOCK_ROWS = 32, 128
@@ -325,10 +325,7 @@ def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd
     n_sms = sm_count(x.device)
     # one fp32 row of dweight partial sums per program; the autotuner picks how many programs run
     max_programs = min(n_sms * MAX_PROGRAMS_PER_SM, n_rows)
-    if single_pass:
-        partial = new_output((max_programs, n_cols), torch.float32, x.device)
-    else:
-        partial = torch.zeros(max_programs, n_cols, dtype=torch.float32, device=x.device)
+    partial = new_output((max_programs, n_cols), torch.float32, x.device)
     dx2 = dx.view(-1, n_cols)
     dresidual2 = dresidual.view(-1, n_cols) if separate_residual_grad else dx2
     grid = lambda meta: (min(n_sms * meta["PROGRAMS_PER_SM"], triton.cdiv(n_rows, meta["ROWS"])),)  # noqa: E731

@@ -118,6 +118,20 @@ def test_hidden_size_65536(path, device):
     assert_close(y, y64, torch.float32)
 
 
+def test_wide_rows_several_blocks_per_program(path, device):
+    # wider than one block (looped) and more row blocks than programs (1 or 132 SMs × 2 to 8 programs
+    # each), so each program's dweight partial row is first stored, then accumulated into
+    rows = 5 if device == "cpu" else 1100
+    x, w, r = _inputs((rows, 16411), torch.float32, device, residual=True)
+    outputs = fuselm.add_rms_norm(x, r, w)
+    seeds = (randn(*x.shape, device=device), randn(*x.shape, device=device))
+    leaves64 = [float64_leaf(t) for t in (x, r, w)]
+    outputs64 = add_rms_norm_reference(*leaves64)
+    for name, g, g64 in zip(("dx", "dresidual", "dweight"), grads(outputs, (x, r, w), seeds),
+                            grads(outputs64, leaves64, [s.double() for s in seeds])):
+        assert_close(g, g64, torch.float32, name)
+
+
 def test_inputs_are_not_mutated(path, device):
     x, w, r = _inputs((4, 33), torch.float32, device, residual=True)
     before = [t.detach().clone() for t in (x, w, r)]
