@@ -1,4 +1,5 @@
-"""End to end on one GPU: a Llama-3-8B-shaped model (random weights, bf16), unpatched vs fuselm.patch.
+"""End to end on one GPU: a Llama-3-8B-shaped model (random weights, bf16): unpatched, fuselm.patch,
+and (when liger-kernel imports) Liger-Kernel's ``apply_liger_kernel_to_llama`` on a fresh copy.
 
 Measures prefill latency, greedy-decode throughput and one LoRA training step (PEFT, r=16 on all
 seven projections): time and peak memory. Each time is the median of CUDA-event timings after a
@@ -132,15 +133,31 @@ def main() -> None:
     report = fuselm.patch(model)
     print(report, flush=True)
     fused = measure(model, "patched", prompt, ids, args.decode_new)
+    liger = None
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError:
+        print("liger-kernel does not import: no Liger column", flush=True)
+    else:  # last: Liger also swaps classes and functions inside transformers' llama module
+        del model
+        torch.cuda.empty_cache()
+        model = build(args.layers, args.smoke)
+        apply_liger_kernel_to_llama(model=model)
+        try:
+            liger = measure(model, "liger", prompt, ids, args.decode_new)
+        except RuntimeError as error:  # e.g. no GPU for its kernels: report fuselm's results regardless
+            print(f"Liger run failed, no Liger column: {error}", flush=True)
     error = {name: ((run["logits"] - reference).norm() / reference.norm()).item()
              for name, run, reference in [("patched vs unpatched", fused, base["logits"]),
-                                          ("unpatched vs fp32", base, exact), ("patched vs fp32", fused, exact)]}
+                                          ("unpatched vs fp32", base, exact), ("patched vs fp32", fused, exact)]
+             + ([("liger vs fp32", liger, exact)] if liger else [])}
 
     def row(what, key, fmt, higher_is_better):
         ratio = fused[key] / base[key] if higher_is_better else base[key] / fused[key]
         return {"what": what, "unpatched": fmt.format(base[key]), "patched": fmt.format(fused[key]),
                 "ratio": f"{ratio:.2f}× {'faster' if ratio >= 1 else 'slower'}" if "GiB" not in what
-                else f"{fused[key] / base[key]:.2f}× memory"}
+                else f"{fused[key] / base[key]:.2f}× memory",
+                "liger": fmt.format(liger[key]) if liger else "—"}
 
     results = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", "torch": torch.__version__,
@@ -164,7 +181,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     for r in results["rows"]:
-        print(f"{r['what']:<60} {r['unpatched']:>10} {r['patched']:>10}  {r['ratio']}")
+        print(f"{r['what']:<60} {r['unpatched']:>10} {r['patched']:>10}  {r['ratio']:<14} Liger {r['liger']}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ if [ "${FUSELM_TESTS:-}" != none ]; then
 fi
 if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
   only=${*:+--only $*}
-  python3 benchmarks/kernels.py --out "$out/kernels-h200.json" $only ${FUSELM_MERGE:+--merge-into $FUSELM_MERGE} 2>&1 | tee "$out/kernels.log"
+  python3 benchmarks/kernel_bench.py --out "$out/kernels-h200.json" $only ${FUSELM_MERGE:+--merge-into $FUSELM_MERGE} 2>&1 | tee "$out/kernels.log"
 fi
 if [ "${FUSELM_E2E:-0}" = 1 ]; then
   python3 benchmarks/e2e.py --out "$out/e2e-h200.json" 2>&1 | tee "$out/e2e.log"

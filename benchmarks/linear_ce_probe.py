@@ -4,8 +4,8 @@ For chunks of C = 256, 512 and 1024 tokens at the benchmark shape (8192 tokens �
 128256 vocab, bf16): the median time of each of the four steps of one chunk (logits GEMM, the
 cross-entropy row kernel, the d hidden GEMM, the d weight update), their floors at the ceilings
 measured in the same run, and the d hidden and d weight GEMMs run on two streams at once. Then
-the Triton d weight update against cuBLAS's for several tile shapes, alone and on a capped grid
-beside the d hidden GEMM. (The cross-entropy row kernel's launch sweep that chose its launch shape is
+the d hidden and d weight GEMMs on two streams with the SMs split between them (cuBLASLt's SM count
+target). (The cross-entropy row kernel's launch sweep that chose its launch shape is
 in NOTES.md, session 3.)
 """
 
@@ -75,39 +75,42 @@ def main() -> None:
         print(f"  four steps in sequence: {total:.3f} ms/chunk → {total * tokens / chunk:.1f} ms for {tokens} tokens")
         del buffer
 
-    print("\nd weight update: cuBLAS addmm_ against the Triton kernel (tile shapes), alone and beside the d hidden GEMM")
-    default_tile = dict(cross_entropy.DWEIGHT_TILE)
-    tiles = [default_tile, {**default_tile, "num_stages": 4}, {**default_tile, "BLOCK_H": 256},
-             {**default_tile, "BLOCK_V": 256}, {**default_tile, "num_warps": 4}, {**default_tile, "BLOCK_T": 32}]
-    for chunk in (256, 1024):
+    print("\nd hidden ∥ d weight on two streams, SMs split between them by cuBLASLt's SM count target"
+          " (torch._C._set_sm_carveout_experimental)")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    carve = torch._C._set_sm_carveout_experimental
+    for chunk in (256, 512):
         buffer = torch.randn(chunk, vocab, device="cuda", dtype=BF16) * 1e-3
         dhidden = torch.empty(chunk, hidden, device="cuda", dtype=BF16)
         h_chunk = h[:chunk]
-        floor = 2 * dweight.nbytes / (copy_tbps * 1e12) * 1e3
-        cublas = median_ms(lambda: dweight.addmm_(buffer.t(), h_chunk))
-        dh_alone = median_ms(lambda: torch.mm(buffer, w, out=dhidden))
-        print(f"  C={chunk}: cuBLAS {cublas:.3f} ms (byte floor {floor:.3f} ms); d hidden GEMM alone {dh_alone:.3f} ms;"
-              f" the two in sequence {cublas + dh_alone:.3f} ms")
-        for tile in tiles:
-            cross_entropy.DWEIGHT_TILE = tile
-            try:
-                alone = median_ms(lambda: cross_entropy._dweight_update(buffer, h_chunk, dweight, True))
-            except Exception as error:  # e.g. out of shared memory for this tile
-                print(f"    {tile}: {type(error).__name__}: {str(error)[:100]}")
-                continue
-            beside = []
-            for programs in (33, 66, 99, 132):
-                def both():
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        cross_entropy._dweight_update(buffer, h_chunk, dweight, True, programs)
-                    torch.mm(buffer, w, out=dhidden)
-                    torch.cuda.current_stream().wait_stream(side)
-                beside.append(f"{programs}: {median_ms(both):.3f}")
-            print(f"    {tile}: alone {alone:.3f} ms ({floor / alone:.0%} of floor); with d hidden, by programs "
-                  + ", ".join(beside))
-        cross_entropy.DWEIGHT_TILE = default_tile
+        dweight_alone = median_ms(lambda: dweight.addmm_(buffer.t(), h_chunk))
+        dhidden_alone = median_ms(lambda: torch.mm(buffer, w, out=dhidden))
+        print(f"  C={chunk}: cuBLASLt, all {n_sms} SMs: d weight {dweight_alone:.3f} ms, d hidden {dhidden_alone:.3f}"
+              f" ms, in sequence {dweight_alone + dhidden_alone:.3f} ms")
+        for dweight_sms in (16, 33, 50, 66):
+            def on_sms(sms, fn):
+                def run():
+                    carve(n_sms - sms)
+                    fn()
+                    carve(None)
+                return run
+            dw_only = median_ms(on_sms(dweight_sms, lambda: dweight.addmm_(buffer.t(), h_chunk)))
+            dh_only = median_ms(on_sms(n_sms - dweight_sms, lambda: torch.mm(buffer, w, out=dhidden)))
+
+            def both():
+                side.wait_stream(torch.cuda.current_stream())
+                carve(n_sms - dweight_sms)
+                with torch.cuda.stream(side):
+                    dweight.addmm_(buffer.t(), h_chunk)
+                carve(dweight_sms)
+                torch.mm(buffer, w, out=dhidden)
+                carve(None)
+                torch.cuda.current_stream().wait_stream(side)
+            print(f"    d weight on {dweight_sms:>3} SMs {dw_only:.3f} ms, d hidden on the other {n_sms - dweight_sms:>3}"
+                  f" {dh_only:.3f} ms; both at once {median_ms(both):.3f} ms")
         del buffer
+    torch.backends.cuda.preferred_blas_library("default")
 
 
 if __name__ == "__main__":

@@ -67,9 +67,10 @@ def kernel_section(results: dict) -> list[str]:
 def e2e_section(results: dict) -> list[str]:
     lines = ["## End to end (patch)", "", f"{results['gpu']}; torch {results['torch']}, triton {results.get('triton')}, transformers "
              f"{results.get('transformers')}, peft {results.get('peft')}; {results['model']}; {results['date']}.", "",
-             "| measurement | unpatched | fuselm.patch | ratio |", "|---|---:|---:|---:|"]
+             "| measurement | unpatched | fuselm.patch | ratio | Liger-Kernel |", "|---|---:|---:|---:|---:|"]
     for row in results["rows"]:
-        lines.append(f"| {row['what']} | {row['unpatched']} | {row['patched']} | {row['ratio']} |")
+        lines.append(f"| {row['what']} | {row['unpatched']} | {row['patched']} | {row['ratio']} | "
+                     f"{row.get('liger', '—')} |")
     return lines + ["", results.get("notes", "")]
 
 

@@ -245,37 +245,6 @@ def _cross_entropy_bwd_kernel(
                         z_loss, HAS_SOFTCAP, BLOCK_V)
 
 
-@triton.jit
-def _dweight_update_kernel(
-    dlogits_ptr, hidden_ptr, dweight_ptr, n_tokens, vocab_size, hidden_size,
-    stride_dlogits, stride_hidden, stride_dweight,
-    ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    # Persistent program p of P: owns the [BLOCK_V, BLOCK_H] tiles p, p + P, ... of d weight [V, H],
-    # numbered vocabulary block by vocabulary block, so a block's [C, BLOCK_V] dlogits stay in L2
-    # while its H / BLOCK_H tiles run. Per tile: the chunk's dlogits columns and hidden rows (L2
-    # reads), the d weight tile read once when ACCUMULATE and written once; fp32 accumulation.
-    n_h_tiles = tl.cdiv(hidden_size, BLOCK_H)
-    n_tiles = tl.cdiv(vocab_size, BLOCK_V) * n_h_tiles
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        v = ((tile // n_h_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        h = ((tile % n_h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-        out = dweight_ptr + v[:, None] * stride_dweight + h[None, :]
-        mask = (v[:, None] < vocab_size) & (h[None, :] < hidden_size)
-        if ACCUMULATE:  # issued first: its latency hides behind the token loop
-            acc = tl.load(out, mask=mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
-        for first in range(0, n_tokens, BLOCK_T):
-            t = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
-            dlogits_t = tl.load(dlogits_ptr + t[None, :] * stride_dlogits + v[:, None],
-                                mask=(t[None, :] < n_tokens) & (v[:, None] < vocab_size), other=0.0)
-            hidden = tl.load(hidden_ptr + t[:, None] * stride_hidden + h[None, :],
-                             mask=(t[:, None] < n_tokens) & (h[None, :] < hidden_size), other=0.0)
-            acc = tl.dot(dlogits_t, hidden, acc)
-        tl.store(out, acc.to(dweight_ptr.dtype.element_ty), mask=mask)
-
-
 SCALE_BLOCK = 2048
 
 
@@ -300,24 +269,6 @@ def _segment_cols(n_rows: int, n_cols: int, block_v: int, device: torch.device) 
     n_blocks = triton.cdiv(n_cols, block_v)
     segments = min(n_blocks, max(1, triton.cdiv(PROGRAMS_PER_SM * sm_count(device), n_rows)))
     return triton.cdiv(n_blocks, segments) * block_v
-
-
-DWEIGHT_TILE = {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3}
-
-
-def _dweight_update(dlogits: Tensor, hidden: Tensor, dweight: Tensor, accumulate: bool,
-                    programs: int | None = None) -> None:
-    """dweight [V, H] (+)= dlogits[C, V]ᵀ · hidden [C, H] (all unit column stride), in place, fp32
-    accumulation: a Triton replacement for cuBLAS's ``addmm_`` at the small C of short chunks, where
-    the update is bound by d weight's bytes. ``programs`` caps the persistent grid (default: one
-    program per tile), e.g. to leave SMs to a GEMM running beside it on another stream."""
-    n_tokens, vocab_size = dlogits.shape
-    hidden_size = hidden.shape[1]
-    n_tiles = triton.cdiv(vocab_size, DWEIGHT_TILE["BLOCK_V"]) * triton.cdiv(hidden_size, DWEIGHT_TILE["BLOCK_H"])
-    _dweight_update_kernel[(min(programs or n_tiles, n_tiles),)](
-        dlogits, hidden, dweight, n_tokens, vocab_size, hidden_size,
-        dlogits.stride(0), hidden.stride(0), dweight.stride(0), ACCUMULATE=accumulate, **DWEIGHT_TILE,
-    )
 
 
 def _row_stride(t: Tensor) -> int:

@@ -21,7 +21,6 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 import fuselm
-from fuselm.ops import cross_entropy as ce_module
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import FAMILIES
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the launches below
     "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dweight_sum_kernel", "_rope_kernel", "_glu_fwd_kernel",
     "_glu_bwd_kernel", "_cross_entropy_partials_kernel", "_cross_entropy_finish_kernel", "_cross_entropy_bwd_kernel",
-    "_scale_kernel", "_dweight_update_kernel"}
+    "_scale_kernel"}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.int64: "i64", torch.int32: "i32"}
 
@@ -87,8 +86,6 @@ def _launches_no_config_test_makes():
         x = torch.randn(2, 20000, dtype=dtype, requires_grad=True)
         w = torch.randn(20000, dtype=dtype, requires_grad=True)
         fuselm.add_rms_norm(x, x.detach() * 0.5, w)[0].sum().backward()
-        # the d weight update's bf16 tl.dot computes garbage in the interpreter (triton#11584): compiled only
-        ce_module._dweight_update(torch.randn(5, 300, dtype=dtype), hidden.detach()[:5], weight.detach().clone(), True)
         q, k = torch.randn(1, 2, 3, 16, dtype=dtype, requires_grad=True), torch.randn(1, 1, 3, 16, dtype=dtype)
         cos, sin = torch.randn(1, 3, 8, dtype=dtype), torch.randn(1, 3, 8, dtype=dtype)
         sum(t.sum() for t in fuselm.rope(q, k, cos, sin)).backward()
