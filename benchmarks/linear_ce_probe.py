@@ -4,12 +4,16 @@ For chunks of C = 256, 512 and 1024 tokens at the benchmark shape (8192 tokens �
 128256 vocab, bf16): the median time of each of the four steps of one chunk (logits GEMM, the
 cross-entropy row kernel, the d hidden GEMM, the d weight update), their floors at the ceilings
 measured in the same run, and the d hidden and d weight GEMMs run on two streams at once. Then
-the d hidden and d weight GEMMs on two streams with the SMs split between them (cuBLASLt's SM count
-target). (The cross-entropy row kernel's launch sweep that chose its launch shape is
-in NOTES.md, session 3.)
+the d weight update written three ways, and the d hidden and d weight GEMMs on two streams with the
+SMs split between them (cuBLASLt's SM count target). The cross-entropy row kernel's launch sweep,
+which chose its launch shape, is in NOTES.md (session 3).
+
+    python benchmarks/linear_ce_probe.py [--parts steps layouts sm-split]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
@@ -25,6 +29,10 @@ def median_ms(fn) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["steps", "layouts", "sm-split"],
+                        choices=["steps", "layouts", "sm-split"])
+    parts = parser.parse_args().parts
     tokens, hidden, vocab = 8192, 4096, 128256
     h = torch.randn(tokens, hidden, device="cuda", dtype=BF16) * 0.5
     w = torch.randn(vocab, hidden, device="cuda", dtype=BF16) * 0.02
@@ -39,7 +47,7 @@ def main() -> None:
     print(f"ceilings: copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s")
     side = torch.cuda.Stream()
 
-    for chunk in (256, 512, 1024):
+    for chunk in (256, 512, 1024) if "steps" in parts else ():
         buffer = torch.empty(chunk, vocab, device="cuda", dtype=BF16)
         dhidden = torch.empty(chunk, hidden, device="cuda", dtype=BF16)
         h_chunk, y_chunk = h[:chunk], labels[:chunk]
@@ -75,6 +83,23 @@ def main() -> None:
         print(f"  four steps in sequence: {total:.3f} ms/chunk → {total * tokens / chunk:.1f} ms for {tokens} tokens")
         del buffer
 
+    if "layouts" in parts:
+        print("\nd weight update at C = 256 written three ways (cuBLAS picks its kernel by layout and shape)")
+        buffer = torch.randn(256, vocab, device="cuda", dtype=BF16) * 1e-3
+        h_chunk, half = h[:256], vocab // 2
+        floor = 2 * dweight.nbytes / (copy_tbps * 1e12) * 1e3
+        ways = {
+            "dW.addmm_(Gᵀ, h)": lambda: dweight.addmm_(buffer.t(), h_chunk),
+            "dWᵀ.addmm_(hᵀ, G) (the transposed product)": lambda: dweight.t().addmm_(h_chunk.t(), buffer),
+            "two vocabulary halves": lambda: (dweight[:half].addmm_(buffer[:, :half].t(), h_chunk),
+                                              dweight[half:].addmm_(buffer[:, half:].t(), h_chunk)),
+        }
+        for name, fn in ways.items():
+            ms = median_ms(fn)
+            print(f"  {name:<44} {ms:.3f} ms ({floor / ms:.0%} of the {floor:.3f} ms byte floor)")
+        del buffer
+    if "sm-split" not in parts:
+        return
     print("\nd hidden ∥ d weight on two streams, SMs split between them by cuBLASLt's SM count target"
           " (torch._C._set_sm_carveout_experimental)")
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count

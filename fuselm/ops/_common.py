@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import torch
 import triton
-import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
@@ -77,18 +76,6 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere): sizes persistent and split grids."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-@triton.jit
-def load_once(ptr, mask, STREAM: tl.constexpr):
-    """Loads a block that no other program reads, as fp32 (evict-first from L2 when STREAM)."""
-    return tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first" if STREAM else "").to(tl.float32)
-
-
-@triton.jit
-def store_once(ptr, value, mask, STREAM: tl.constexpr):
-    """Stores a block in ptr's dtype (a streaming store, .cs, when STREAM)."""
-    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask, cache_modifier=".cs" if STREAM else "")
 
 
 quick_tuning = False  # GPU tests set this: configs are timed in ~1 ms each instead of ~125 ms

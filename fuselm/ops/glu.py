@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, load_once, new_output, store_once
+from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, new_output
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -42,12 +42,8 @@ _REFERENCES = {"silu": silu_mul_reference, "gelu_tanh": gelu_tanh_mul_reference}
 
 # ----------------------------------------------------------------------------------- kernels
 _CONFIGS = [
-    triton.Config({"BLOCK": block, "STREAM": stream}, num_warps=warps)
-    for block, warps, stream in [(2048, 4, False), (1024, 4, False), (2048, 8, False), (4096, 8, False),
-                                 (4096, 16, False),
-                                 # cache hints: loads evict-first, stores streaming (.cs): every byte is
-                                 # touched once, so nothing is worth keeping in L2
-                                 (2048, 8, True), (4096, 8, True), (2048, 4, True)]
+    triton.Config({"BLOCK": block}, num_warps=warps)
+    for block, warps in [(2048, 4), (1024, 4), (2048, 8), (4096, 8), (4096, 16)]
 ]
 
 
@@ -85,16 +81,16 @@ def _glu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_cols, stride_gate, stride_up, stride_out,
     numel_bucket, row_len,  # autotune key only: next_pow2(numel), and the row length (0 when flat)
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Program owns BLOCK consecutive columns of one row; when every tensor is contiguous the
     # launcher passes the whole tensor as one row. Reads BLOCK of gate and up, writes BLOCK of out:
     # 3 * BLOCK * element_size bytes, each byte of each tensor touched by exactly one program.
     row, start, cols, mask = _program_block(n_cols, BLOCK)
-    g = load_once(gate_ptr + (row * stride_gate + start) + cols, mask, STREAM)
-    u = load_once(up_ptr + (row * stride_up + start) + cols, mask, STREAM)
+    g = tl.load(gate_ptr + (row * stride_gate + start) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + (row * stride_up + start) + cols, mask=mask, other=0.0).to(tl.float32)
     act, _ = _activation(g, ACTIVATION)
-    store_once(out_ptr + (row * stride_out + start) + cols, act * u, mask, STREAM)
+    tl.store(out_ptr + (row * stride_out + start) + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @autotune(_CONFIGS, key=["numel_bucket", "row_len"])
@@ -103,19 +99,19 @@ def _glu_bwd_kernel(
     dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
     n_cols, stride_dout, stride_gate, stride_up, stride_dgate, stride_dup,
     numel_bucket, row_len,  # autotune key only, as in the forward kernel
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Program owns BLOCK consecutive columns of one row (or of the flat tensor). Reads BLOCK of
     # dout, gate and up; recomputes act(gate); writes BLOCK of dgate and dup (for the packed layout
     # these are the two halves of one gradient buffer): 5 * BLOCK * element_size bytes.
     row, start, cols, mask = _program_block(n_cols, BLOCK)
-    dout = load_once(dout_ptr + (row * stride_dout + start) + cols, mask, STREAM)
-    g = load_once(gate_ptr + (row * stride_gate + start) + cols, mask, STREAM)
-    u = load_once(up_ptr + (row * stride_up + start) + cols, mask, STREAM)
+    dout = tl.load(dout_ptr + (row * stride_dout + start) + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + (row * stride_gate + start) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + (row * stride_up + start) + cols, mask=mask, other=0.0).to(tl.float32)
     act, s = _activation(g, ACTIVATION)
-    store_once(dgate_ptr + (row * stride_dgate + start) + cols, dout * u * _activation_grad(g, s, ACTIVATION), mask,
-                STREAM)
-    store_once(dup_ptr + (row * stride_dup + start) + cols, dout * act, mask, STREAM)
+    dgate = dout * u * _activation_grad(g, s, ACTIVATION)
+    tl.store(dgate_ptr + (row * stride_dgate + start) + cols, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + (row * stride_dup + start) + cols, (dout * act).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------- launchers

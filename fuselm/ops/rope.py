@@ -19,8 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import (FusedOp, autotune, check_same, check_same_device, check_tensor, load_once, new_output,
-                                new_output_like, store_once)
+from fuselm.ops._common import (FusedOp, autotune, check_same, check_same_device, check_tensor, new_output,
+                                new_output_like)
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_TILE = 8192  # elements of one [positions, heads, h] tile that a program keeps in registers
@@ -57,22 +57,19 @@ def _prune_by_registers(configs, named_args, **kwargs):
 
 
 _CONFIGS = [  # (positions, heads) per tile; the first is the one the interpreter runs
-    triton.Config({"BLOCK_S": s, "BLOCK_H": h, "STREAM": stream}, num_warps=w)
-    for s, h, w, stream in [(2, 4, 4, False), (4, 4, 4, False), (8, 4, 4, False), (16, 2, 4, False), (8, 8, 4, False),
-                            (16, 4, 4, False), (32, 2, 4, False), (16, 8, 8, False), (32, 4, 8, False),
-                            (64, 2, 8, False),
-                            # many positions per head: in [B, H, S, D] memory a tile is BLOCK_H runs of
-                            # BLOCK_S * D contiguous elements, so these move fewer, longer runs
-                            (64, 1, 4, False), (128, 1, 8, False),
-                            # q and k with L2 cache hints (evict-first loads, streaming stores)
-                            (16, 2, 4, True), (16, 4, 4, True), (64, 1, 4, True)]
+    triton.Config({"BLOCK_S": s, "BLOCK_H": h}, num_warps=w)
+    for s, h, w in [(2, 4, 4), (4, 4, 4), (8, 4, 4), (16, 2, 4), (8, 8, 4), (16, 4, 4), (32, 2, 4), (16, 8, 8),
+                    (32, 4, 8), (64, 2, 8),
+                    # many positions per head: in [B, H, S, D] memory a tile is BLOCK_H runs of
+                    # BLOCK_S * D contiguous elements, so these move fewer, longer runs
+                    (64, 1, 4), (128, 1, 8)]
 ]
 
 
 @triton.jit
 def _rotate_heads(x_ptr, y_ptr, b, s, s_ok, heads, d, c1, c2, n1, n2, n_heads, half, head_dim,
                   stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
-                  COPY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, STREAM: tl.constexpr):
+                  COPY_TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr):
     """Rotates heads ([1, BLOCK_H, 1]; those >= n_heads masked off) of x at positions s ([BLOCK_S, 1, 1])
     of batch row b into y: one [BLOCK_S, BLOCK_H, D] tile read once and written once.
 
@@ -82,15 +79,14 @@ def _rotate_heads(x_ptr, y_ptr, b, s, s_ok, heads, d, c1, c2, n1, n2, n_heads, h
     mask = row_ok & (d < half)
     x_head = x_ptr + b * stride_xb + s * stride_xs + heads * stride_xh
     y_head = y_ptr + b * stride_yb + s * stride_ys + heads * stride_yh
-    x1 = load_once(x_head + d * stride_xd, mask, STREAM)
-    x2 = load_once(x_head + (d + half) * stride_xd, mask, STREAM)
-    store_once(y_head + d * stride_yd, x1 * c1 - x2 * n1, mask, STREAM)
-    store_once(y_head + (d + half) * stride_yd, x2 * c2 + x1 * n2, mask, STREAM)
+    x1 = tl.load(x_head + d * stride_xd, mask=mask).to(tl.float32)
+    x2 = tl.load(x_head + (d + half) * stride_xd, mask=mask).to(tl.float32)
+    tl.store(y_head + d * stride_yd, (x1 * c1 - x2 * n1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_head + (d + half) * stride_yd, (x2 * c2 + x1 * n2).to(y_ptr.dtype.element_ty), mask=mask)
     if COPY_TAIL:
         tail = 2 * half + tl.arange(0, BLOCK_TAIL).to(tl.int64)[None, None, :]
         tail_mask = row_ok & (tail < head_dim)
-        tail_values = load_once(x_head + tail * stride_xd, tail_mask, STREAM)
-        store_once(y_head + tail * stride_yd, tail_values, tail_mask, STREAM)
+        tl.store(y_head + tail * stride_yd, tl.load(x_head + tail * stride_xd, mask=tail_mask), mask=tail_mask)
 
 
 @triton.jit
@@ -101,7 +97,7 @@ def _rope_kernel(
     stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
     stride_cb, stride_cs, stride_cd, stride_nb, stride_ns, stride_nd,
     BACKWARD: tl.constexpr, COPY_TAIL: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, STREAM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # Program (p, g, b) owns positions [p * BLOCK_S, (p + 1) * BLOCK_S) of batch row b and BLOCK_H heads
     # there: head group g of q when g < cdiv(Hq, BLOCK_H), else head group g - cdiv(Hq, BLOCK_H) of k
@@ -128,11 +124,11 @@ def _rope_kernel(
     if group < q_groups:
         _rotate_heads(q_ptr, q_out_ptr, b, s, s_ok, group * BLOCK_H + head_block, d, c1, c2, n1, n2, n_heads_q,
                       half, head_dim, stride_qb, stride_qs, stride_qh, stride_qd,
-                      stride_qob, stride_qos, stride_qoh, stride_qod, COPY_TAIL, BLOCK_TAIL, STREAM)
+                      stride_qob, stride_qos, stride_qoh, stride_qod, COPY_TAIL, BLOCK_TAIL)
     else:
         _rotate_heads(k_ptr, k_out_ptr, b, s, s_ok, (group - q_groups) * BLOCK_H + head_block, d, c1, c2, n1, n2,
                       n_heads_k, half, head_dim, stride_kb, stride_ks, stride_kh, stride_kd,
-                      stride_kob, stride_kos, stride_koh, stride_kod, COPY_TAIL, BLOCK_TAIL, STREAM)
+                      stride_kob, stride_kos, stride_koh, stride_kod, COPY_TAIL, BLOCK_TAIL)
 
 
 _TUNE_KEY = ["n_heads_q", "n_heads_k", "half", "head_dim", "BACKWARD", "COPY_TAIL"]
