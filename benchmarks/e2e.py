@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 
 import peft
@@ -139,8 +141,15 @@ def main() -> None:
     except ImportError:
         print("liger-kernel does not import: no Liger column", flush=True)
     else:  # last: Liger also swaps classes and functions inside transformers' llama module
+        weight = weakref.ref(model.get_input_embeddings().weight)
         del model
+        gc.collect()  # free the patched model (reference cycles) before peak memory is measured again
         torch.cuda.empty_cache()
+        if weight() is not None:  # still alive: say what holds it, since the Liger peak would include it
+            print("the patched model was not freed; its embedding is held by",
+                  [type(r).__name__ for r in gc.get_referrers(weight())], flush=True)
+        if torch.cuda.is_available():
+            print(f"allocated before the Liger copy: {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
         model = build(args.layers, args.smoke)
         apply_liger_kernel_to_llama(model=model)
         try:
