@@ -27,7 +27,7 @@ from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 
 _PRIMED = "_fuselm_primed"  # on a residual-stream tensor: (norm module, tensor version, normed tensor)
-NEXT_NORM = "_fuselm_next_norm"  # in a decoder layer's __dict__: (owner module, attribute) of the next norm
+NEXT_NORM = "_fuselm_next_norm"  # in a decoder layer's __dict__: the norm module after it (or None)
 
 
 def _promoted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -209,9 +209,8 @@ class FusedDecoderLayer:
         if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()  # no version counters there
                 or (getattr(self, "gradient_checkpointing", False) and self.training)):
             return residual + branch
-        link = self.__dict__.get(NEXT_NORM)
-        norm = getattr(*link, None) if link is not None else None
-        if norm is None or not isinstance(norm, FusedRMSNorm):
+        norm = self.__dict__.get(NEXT_NORM)
+        if not isinstance(norm, FusedRMSNorm):
             return residual + branch
         normed, total = norm.add_forward(branch, residual)
         setattr(total, _PRIMED, (norm, total._version, normed))

@@ -504,7 +504,13 @@ def _kind_of(cls: type) -> str | None:
 
 
 def _link_next_norms(model: nn.Module) -> None:
-    """Tell each fused decoder layer where the norm after it lives: the next layer's, or the model's final one."""
+    """Give each fused decoder layer the norm after it: the next layer's, or the model's final one.
+
+    The link is the norm module itself, kept out of ``_modules``. Norms hold no reference back, so
+    the link makes no reference cycle (``del model`` frees a patched model at once, as it does an
+    unpatched one), and ``copy.deepcopy`` links a copy's layers to the copy's norms. A norm replaced
+    after patching only loses the fusion: the layer then primes a norm that is never called with
+    its output, and the new norm computes its own."""
     for parent in model.modules():
         for child in parent.children():
             if not isinstance(child, nn.ModuleList):
@@ -513,7 +519,6 @@ def _link_next_norms(model: nn.Module) -> None:
             for i, layer in enumerate(layers):
                 if not isinstance(layer, FusedDecoderLayer):
                     continue
-                if i + 1 < len(layers):
-                    layer.__dict__[NEXT_NORM] = (layers[i + 1], "input_layernorm")
-                else:
-                    layer.__dict__[NEXT_NORM] = (parent, family_of(type(layer)).final_norm)
+                owner, attribute = ((layers[i + 1], "input_layernorm") if i + 1 < len(layers)
+                                    else (parent, family_of(type(layer)).final_norm))
+                layer.__dict__[NEXT_NORM] = getattr(owner, attribute, None)

@@ -1,9 +1,12 @@
 """fuselm.patch / unpatch / patched: the report, instance-only changes, what stays as it was, recognition
 of families and modules nobody listed, profiling, torch.compile and the FUSELM_BACKEND switch."""
 
+import copy
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.llama import modeling_llama
 
 import fuselm
+from fuselm.patching.modules import NEXT_NORM
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
 from tests.patching.tiny_models import UNLISTED, tiny_model, token_ids
@@ -186,6 +190,32 @@ def test_dropping_a_layer_after_patching_still_computes_the_same(path):
     got = logits(model)
     fuselm.unpatch(model)
     assert rel_err(got, logits(model)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_patched_model_is_freed_by_del_alone(name):
+    """No reference cycle: ``del model`` frees a patched model at once, as it does an unpatched one,
+    so ``del model; torch.cuda.empty_cache()`` gives its memory back without waiting for the collector."""
+    model = tiny_model(name)
+    fuselm.patch(model)
+    logits(model)
+    embedding = weakref.ref(model.get_input_embeddings().weight)
+    gc.disable()
+    try:
+        del model
+        assert embedding() is None
+    finally:
+        gc.enable()
+
+
+def test_a_deep_copy_links_its_layers_to_its_own_norms(path):
+    model = tiny_model("llama", num_hidden_layers=3)
+    fuselm.patch(model)
+    twin = copy.deepcopy(model)
+    layers = twin.model.layers
+    expected = [layer.input_layernorm for layer in layers[1:]] + [twin.model.norm]
+    assert all(layer.__dict__[NEXT_NORM] is norm for layer, norm in zip(layers, expected, strict=True))
+    assert rel_err(logits(twin), logits(model)) <= 1e-6
 
 
 def test_modules_behind_an_accelerate_hook_are_left_alone_and_not_bypassed():
