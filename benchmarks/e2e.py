@@ -143,7 +143,7 @@ def main() -> None:
     else:  # last: Liger also swaps classes and functions inside transformers' llama module
         weight = weakref.ref(model.get_input_embeddings().weight)
         del model
-        gc.collect()  # free the patched model (reference cycles) before peak memory is measured again
+        gc.collect()  # nothing of the patched model may stay allocated into the Liger peak
         torch.cuda.empty_cache()
         if weight() is not None:  # still alive: say what holds it, since the Liger peak would include it
             print("the patched model was not freed; its embedding is held by",
