@@ -218,6 +218,21 @@ def test_a_deep_copy_links_its_layers_to_its_own_norms(path):
     assert rel_err(logits(twin), logits(model)) <= 1e-6
 
 
+@pytest.mark.parametrize("which", ["final norm", "next layer's input norm"])
+def test_a_norm_replaced_after_patching_is_the_one_that_computes(path, which):
+    """A layer primes the norm it was linked to at patch time; a replacement norm must compute its own output."""
+    model = tiny_model("llama")
+    fuselm.patch(model)
+    owner, name = (model.model, "norm") if which == "final norm" else (model.model.layers[1], "input_layernorm")
+    replacement = copy.deepcopy(getattr(owner, name))
+    with torch.no_grad():
+        replacement.weight.add_(0.5)
+    setattr(owner, name, replacement)
+    got = logits(model)
+    fuselm.unpatch(model)
+    assert rel_err(got, logits(model)) <= 1e-6
+
+
 def test_modules_behind_an_accelerate_hook_are_left_alone_and_not_bypassed():
     from accelerate.hooks import ModelHook, add_hook_to_module
 
