@@ -13,7 +13,6 @@ with their GPU times, and the wall time.
 """
 
 import argparse
-
 import cProfile
 import pstats
 import time

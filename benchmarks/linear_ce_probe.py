@@ -18,7 +18,6 @@ import argparse
 import torch
 import triton
 
-from fuselm.ops import cross_entropy
 from fuselm.ops.cross_entropy import _cross_entropy_rows
 
 BF16 = torch.bfloat16
