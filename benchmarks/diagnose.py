@@ -7,9 +7,11 @@ layer at a time (public function, torch.ops custom op, launcher, bare kernel lau
 cProfile of the public call. Part 3: linear cross-entropy fwd+bwd at the benchmark shape, its
 kernels against its wall time. Part 4: one batch-1 prefill of 2048 tokens through a 4-layer
 Llama-3-8B-shaped model, patched by fuselm and by Liger-Kernel (when it imports): each one's kernels
-with their GPU times, and the wall time.
+with their GPU times, and the wall time. Part 5: RoPE fwd, fuselm against torch.compile, replayed
+from a CUDA graph after a 256 MB L2 flush as the kernel benchmark times it: each kernel's start and
+end on the GPU, from the profiler's trace.
 
-    python benchmarks/diagnose.py [--parts 1 2 3 4]
+    python benchmarks/diagnose.py [--parts 1 2 3 4 5]
 """
 
 import argparse
@@ -111,9 +113,39 @@ def profile_prefill():
         torch.cuda.empty_cache()
 
 
+def rope_timeline(replays: int = 5):
+    """Per-kernel GPU start and end (µs after the flush ends) of RoPE fwd graph replays: fuselm's one
+    kernel against torch.compile's two, each replay after do_bench's L2 flush (zeroing 256 MB)."""
+    from kernel_bench import build_cases
+
+    case = next(case for case in build_cases(liger={}) if case.kernel == "rope")
+    inputs = case.make_inputs()
+    flush = torch.empty(2**26, dtype=torch.int32, device="cuda")
+    for impl in ("fuselm", "compile"):
+        fn = case.impls[impl]
+        for _ in range(3):  # compile and autotune before the capture
+            fn(*inputs)
+        replay = graphed(lambda: fn(*inputs))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                flush.zero_()
+                replay()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        print(f"RoPE fwd, {impl}: kernel, start and end in µs after the flush ends")
+        flush_end = None
+        for event in kernels:
+            if "elementwise" in event.name or "fill" in event.name.lower():  # the flush's zero_
+                flush_end = event.time_range.end
+                continue
+            start, end = event.time_range.start - flush_end, event.time_range.end - flush_end
+            print(f"  {event.name[:48]:<48} {start:7.1f} {end:7.1f} ({end - start:.1f} µs)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parts = parser.parse_args().parts
     if 1 in parts or 2 in parts:
         per_op_and_host()
@@ -121,6 +153,8 @@ def main():
         profile_linear_cross_entropy()
     if 4 in parts:
         profile_prefill()
+    if 5 in parts:
+        rope_timeline()
 
 
 def per_op_and_host():
