@@ -136,7 +136,7 @@ def rope_timeline(replays: int = 5):
         print(f"RoPE fwd, {impl}: kernel, start and end in µs after the flush ends")
         flush_end = None
         for event in kernels:
-            if "elementwise" in event.name or "fill" in event.name.lower():  # the flush's zero_
+            if any(word in event.name.lower() for word in ("elementwise", "fill", "memset")):  # the flush
                 flush_end = event.time_range.end
                 continue
             start, end = event.time_range.start - flush_end, event.time_range.end - flush_end
