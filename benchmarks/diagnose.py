@@ -9,9 +9,12 @@ kernels against its wall time. Part 4: one batch-1 prefill of 2048 tokens throug
 Llama-3-8B-shaped model, patched by fuselm and by Liger-Kernel (when it imports): each one's kernels
 with their GPU times, and the wall time. Part 5: RoPE fwd, fuselm against torch.compile, replayed
 from a CUDA graph after a 256 MB L2 flush as the kernel benchmark times it: each kernel's start and
-end on the GPU, from the profiler's trace.
+end on the GPU, from the profiler's trace. Part 6: RoPE fwd with each autotune config forced, timed
+as the kernel benchmark times it (graph replays under do_bench). Part 7: the rows where fuselm led its
+closest anchor by under 1 % (``CLOSE_ROWS``), both timed in alternating rounds so that drift between
+two do_bench calls cannot decide the order.
 
-    python benchmarks/diagnose.py [--parts 1 2 3 4 5]
+    python benchmarks/diagnose.py [--parts 1 2 3 4 5 6 7]
 """
 
 import argparse
@@ -23,7 +26,8 @@ import torch
 import triton
 
 import fuselm
-from fuselm.ops import glu, rms_norm
+from fuselm.ops import glu, rms_norm, rope
+from fuselm.ops._common import forced_config
 
 BF16 = torch.bfloat16
 
@@ -143,10 +147,89 @@ def rope_timeline(replays: int = 5):
             print(f"  {event.name[:48]:<48} {start:7.1f} {end:7.1f} ({end - start:.1f} µs)")
 
 
+def rope_configs():
+    """RoPE fwd at the benchmark shape with each config of the out-of-place kernel forced."""
+    from kernel_bench import build_cases, graph_replay_ms, same_size_copy_ms
+
+    case = next(case for case in build_cases(liger={}) if case.kernel == "rope")
+    inputs = case.make_inputs()
+    kernel = rope._rope_out_of_place
+    print(f"RoPE fwd per config ({case.fwd_formula}: {case.fwd_bytes / 1e6:.1f} MB; same-size copy "
+          f"{same_size_copy_ms(case.fwd_bytes) * 1e3:.1f} µs)")
+    with torch.no_grad():
+        for index, config in enumerate(kernel.configs):
+            with forced_config(kernel, index):
+                us = graph_replay_ms(lambda: fuselm.rope(*inputs)) * 1e3
+            print(f"  {str(config.kwargs):<44} warps {config.num_warps}: {us:6.1f} µs, "
+                  f"{case.fwd_bytes / us / 1e3:5.0f} GB/s")
+
+
+CLOSE_ROWS = [  # (kernel, pass, anchor): where fuselm led the closest anchor by under 1 % in one run
+    ("rms_norm", "fwd", "liger"), ("add_rms_norm", "fwd", "liger"), ("add_rms_norm", "fwd", "compile"),
+    ("rope", "fwd", "compile"), ("swiglu", "fwd", "compile"), ("swiglu", "fwd+bwd", "compile")]
+
+
+def tie_rounds(rounds: int = 11, kernels: list[str] | None = None):
+    """Each close row timed for fuselm and its anchor in alternating rounds: per-round µs and medians."""
+    from kernel_bench import build_cases, liger_ops
+
+    cases = {case.kernel: case for case in build_cases(liger=liger_ops())}
+    for kernel, pass_, anchor in CLOSE_ROWS:
+        if kernels and kernel not in kernels:
+            continue
+        case = cases[kernel]
+        if anchor not in case.impls:
+            print(f"{kernel} {pass_}: {anchor} not available")
+            continue
+        replays, alive = {}, []  # a graph replays into its inputs' memory: keep them referenced
+        for impl in ("fuselm", anchor):
+            fn, inputs = case.impls[impl], case.make_inputs()
+            alive.append(inputs)
+            if pass_ == "fwd":
+                replays[impl] = graphed_fwd(fn, inputs)
+            else:
+                leaves = [inputs[i].requires_grad_() for i in case.grad_inputs or range(len(inputs))]
+                with torch.no_grad():
+                    seeds = [torch.randn_like(fn(*inputs))]
+                alive.append(seeds)
+                replays[impl] = graphed_step(fn, inputs, leaves, seeds)
+        times = {impl: [] for impl in replays}
+        for _ in range(rounds):
+            for impl, replay in replays.items():
+                times[impl].append(bench(replay) * 1e3)
+        print(f"{kernel} {pass_}, {rounds} alternating rounds (µs):")
+        for impl, values in times.items():
+            print(f"  {impl:<8} median {sorted(values)[rounds // 2]:7.1f}  rounds " + " ".join(f"{v:.1f}" for v in values))
+        wins = sum(f < a for f, a in zip(times["fuselm"], times[anchor]))
+        print(f"  fuselm faster than {anchor} in {wins} of {rounds} rounds")
+        del replays, alive
+        torch.cuda.empty_cache()
+
+
+def graphed_fwd(fn, inputs):
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*inputs)
+        return graphed(lambda: fn(*inputs))
+
+
+def graphed_step(fn, inputs, leaves, seeds):
+    def step():
+        torch.autograd.backward(fn(*inputs), seeds)
+        for leaf in leaves:
+            leaf.grad = None
+
+    for _ in range(3):
+        step()
+    return graphed(step)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    parts = parser.parse_args().parts
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    parser.add_argument("--close-kernels", nargs="+", help="part 7: only these kernels' close rows")
+    args = parser.parse_args()
+    parts = args.parts
     if 1 in parts or 2 in parts:
         per_op_and_host()
     if 3 in parts:
@@ -155,6 +238,10 @@ def main():
         profile_prefill()
     if 5 in parts:
         rope_timeline()
+    if 6 in parts:
+        rope_configs()
+    if 7 in parts:
+        tie_rounds(kernels=args.close_kernels)
 
 
 def per_op_and_host():

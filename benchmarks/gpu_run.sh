@@ -10,6 +10,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# torch.compile's anchor is compiled and tuned afresh each run: a cached choice from one earlier run
+# (RoPE fwd once picked a 100 µs kernel where 4 fresh runs got 87 µs) would stand in for every later one
+export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${FUSELM_TESTS:-}" != none ]; then
   # SIGINT on time-out, so pytest still prints which tests failed

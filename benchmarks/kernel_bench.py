@@ -1,7 +1,9 @@
 """Kernel benchmarks on one CUDA GPU: fuselm against HF eager, torch.compile and Liger-Kernel.
 
 Run on the GPU machine (``bash benchmarks/gpu_run.sh`` does it). Every figure is a median of
-``triton.testing.do_bench`` (CUDA events, after warm-up). Bandwidth figures count the fewest bytes
+``triton.testing.do_bench`` (CUDA events, after warm-up); the memory-bound kernels' rows are the
+median over alternating rounds of every implementation, all reading the same inputs, since several
+sit within a percent of each other at the bandwidth ceiling. Bandwidth figures count the fewest bytes
 each op must move (each input read once, each output written once); the formula is printed with
 the row. The copy-bandwidth and bf16-GEMM ceilings are measured in the same run.
 
@@ -16,6 +18,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ from rich.table import Table
 import fuselm
 
 GB = 1e9
+ROUNDS = 5  # alternating timing rounds per row
 BF16 = torch.bfloat16
 
 
@@ -35,8 +39,9 @@ def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None 
     return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
 
-def graph_replay_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph: the GPU's time, without host overhead."""
+def captured(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after a warm-up outside it): its replay, the GPU's work without host
+    overhead. The replay reads and writes the memory ``fn`` used: keep its tensors referenced."""
     def clear_grads():
         for t in grad_to_none or []:
             t.grad = None
@@ -51,9 +56,13 @@ def graph_replay_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] |
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    ms = median_ms(graph.replay)
     clear_grads()
-    return ms
+    return graph.replay
+
+
+def graph_replay_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: the GPU's time, without host overhead."""
+    return median_ms(captured(fn, grad_to_none))
 
 
 def measure_copy_gbps() -> float:
@@ -95,45 +104,54 @@ def _outputs(result: object) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
+def time_case(case: Case, copy_gbps: float, console: Console, rounds: int = ROUNDS) -> list[dict]:
+    """Each implementation's graph replay, timed in ``rounds`` alternating rounds (median over rounds), all
+    reading the same input tensors: rows within a percent of each other are decided neither by clock drift
+    between two measurements nor by where each one's inputs happen to lie in memory."""
     rows = []
-    copy_ms = {"fwd": same_size_copy_ms(case.fwd_bytes)}
-    if case.bwd_bytes is not None:
-        copy_ms["fwd+bwd"] = same_size_copy_ms(case.fwd_bytes + case.bwd_bytes)
-    for impl, fn in case.impls.items():
-        for pass_ in ("fwd", "fwd+bwd"):
-            if pass_ == "fwd+bwd" and case.bwd_bytes is None:
-                continue
-            inputs = case.make_inputs()
+    for pass_ in ("fwd", "fwd+bwd") if case.bwd_bytes is not None else ("fwd",):
+        n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
+        copy_ms = same_size_copy_ms(n_bytes)
+        inputs = case.make_inputs()
+        leaves = []
+        if pass_ == "fwd+bwd":
+            wanted = case.grad_inputs or range(len(inputs))
+            leaves = [inputs[i].requires_grad_() for i in wanted if inputs[i].is_floating_point()]
+        replays, call_ms, seeds = {}, {}, {}
+        for impl, fn in case.impls.items():
             try:
                 if pass_ == "fwd":
                     with torch.no_grad():
-                        call_ms = median_ms(lambda: fn(*inputs))
-                        ms = graph_replay_ms(lambda: fn(*inputs))
+                        call_ms[impl] = median_ms(lambda: fn(*inputs))
+                        replays[impl] = captured(lambda: fn(*inputs))
                 else:
-                    wanted = case.grad_inputs or range(len(inputs))
-                    leaves = [inputs[i].requires_grad_() for i in wanted if inputs[i].is_floating_point()]
-                    outs = _outputs(fn(*inputs))
-                    grads = [torch.randn_like(o) for o in outs]
-                    del outs
+                    seeds[impl] = [torch.randn_like(o) for o in _outputs(fn(*inputs))]
+                    for leaf in leaves:
+                        leaf.grad = None
 
-                    def step():
-                        torch.autograd.backward(_outputs(fn(*inputs)), grads)
+                    def step(fn=fn, impl_seeds=seeds[impl]):
+                        torch.autograd.backward(_outputs(fn(*inputs)), impl_seeds)
 
-                    call_ms = median_ms(step, grad_to_none=leaves)
-                    ms = graph_replay_ms(step, grad_to_none=leaves)
+                    call_ms[impl] = median_ms(step, grad_to_none=leaves)
+                    replays[impl] = captured(step, grad_to_none=leaves)
             except Exception as exc:  # an anchor that cannot run this case is reported, not fatal
                 console.print(f"[yellow]{case.kernel} {pass_} {impl}: skipped ({type(exc).__name__}: {exc})")
-                continue
-            n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
-            formula = case.fwd_formula + (f" + {case.bwd_formula}" if pass_ == "fwd+bwd" else "")
+        times = {impl: [] for impl in replays}
+        for _ in range(rounds):
+            for impl, replay in replays.items():
+                times[impl].append(median_ms(replay))
+        formula = case.fwd_formula + (f" + {case.bwd_formula}" if pass_ == "fwd+bwd" else "")
+        for impl, impl_times in times.items():
+            ms = statistics.median(impl_times)
             gbps = n_bytes / (ms * 1e-3) / GB
             rows.append({"kernel": case.kernel, "pass": pass_, "impl": impl, "ms": round(ms, 4),
-                         "call_ms": round(call_ms, 4),
+                         "ms_rounds": [round(t, 4) for t in impl_times], "call_ms": round(call_ms[impl], 4),
                          "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / copy_gbps, 1),
-                         "pct_same_size_copy": round(100 * copy_ms[pass_] / ms, 1),
-                         "same_size_copy_gbps": round(n_bytes / (copy_ms[pass_] * 1e-3) / GB, 1),
+                         "pct_same_size_copy": round(100 * copy_ms / ms, 1),
+                         "same_size_copy_gbps": round(n_bytes / (copy_ms * 1e-3) / GB, 1),
                          "bytes": n_bytes, "formula": formula})
+        del replays, seeds
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -308,8 +326,10 @@ def main() -> None:
         "liger": _version("liger-kernel"), "transformers": _version("transformers"), "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": round(copy_gbps, 1), "gemm_tflops": round(gemm_tflops, 1),
-        "method": "ms: median of triton.testing.do_bench (CUDA events, warm-up, L2 flushed) over replays of a CUDA "
-                  "graph of the call, i.e. GPU time; call_ms: the same over plain calls, host overhead included; bf16",
+        "method": f"ms: median over {ROUNDS} alternating rounds (ms_rounds; every implementation of a row reads the "
+                  "same input tensors) of the median of triton.testing.do_bench (CUDA events, warm-up, L2 flushed) "
+                  "over replays of a CUDA graph of the call, i.e. GPU time; call_ms: do_bench over plain calls, host "
+                  "overhead included; linear_cross_entropy: one do_bench over plain calls; bf16",
         "rows": [],
     }
     for case in build_cases(liger):

@@ -113,10 +113,11 @@ def _rope_kernel(
     d = tl.arange(0, BLOCK_HALF).to(tl.int64)[None, None, :]
     mask = s_ok & (d < half)
     cos_pos, sin_pos = cos_ptr + b * stride_cb + s * stride_cs, sin_ptr + b * stride_nb + s * stride_ns
-    c1 = tl.load(cos_pos + d * stride_cd, mask=mask).to(tl.float32)
-    c2 = tl.load(cos_pos + (d + half) * stride_cd, mask=mask).to(tl.float32)
-    n1 = tl.load(sin_pos + d * stride_nd, mask=mask).to(tl.float32)
-    n2 = tl.load(sin_pos + (d + half) * stride_nd, mask=mask).to(tl.float32)
+    # every head group of every batch row re-reads these rows: ask L2 to keep them (evict_last)
+    c1 = tl.load(cos_pos + d * stride_cd, mask=mask, eviction_policy="evict_last").to(tl.float32)
+    c2 = tl.load(cos_pos + (d + half) * stride_cd, mask=mask, eviction_policy="evict_last").to(tl.float32)
+    n1 = tl.load(sin_pos + d * stride_nd, mask=mask, eviction_policy="evict_last").to(tl.float32)
+    n2 = tl.load(sin_pos + (d + half) * stride_nd, mask=mask, eviction_policy="evict_last").to(tl.float32)
     if BACKWARD:  # the transposed rotation: dx1 = dy1*c1 + dy2*n2, dx2 = dy2*c2 - dy1*n1
         n1, n2 = -n2, -n1
     head_block = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
