@@ -12,9 +12,10 @@ from a CUDA graph after a 256 MB L2 flush as the kernel benchmark times it: each
 end on the GPU, from the profiler's trace. Part 6: RoPE fwd with each autotune config forced, timed
 as the kernel benchmark times it (graph replays under do_bench). Part 7: the rows where fuselm led its
 closest anchor by under 1 % (``CLOSE_ROWS``), both timed in alternating rounds so that drift between
-two do_bench calls cannot decide the order.
+two do_bench calls cannot decide the order. Part 8: eager SwiGLU fwd+bwd replayed from a CUDA
+graph, on fresh inputs and on inputs shared with fuselm's graph, with its kernels.
 
-    python benchmarks/diagnose.py [--parts 1 2 3 4 5 6 7]
+    python benchmarks/diagnose.py [--parts 1 2 3 4 5 6 7 8]
 """
 
 import argparse
@@ -206,6 +207,24 @@ def tie_rounds(rounds: int = 11, kernels: list[str] | None = None):
         torch.cuda.empty_cache()
 
 
+def eager_swiglu_replay():
+    """Eager SwiGLU fwd+bwd from a CUDA graph: on fresh inputs, and on inputs whose fuselm graph was
+    captured first (as kernel_bench.time_case shares them); each replay's time and kernels."""
+    from kernel_bench import _outputs, build_cases, captured, hf_swiglu
+
+    case = next(case for case in build_cases(liger={}) if case.kernel == "swiglu")
+    alive = []
+    for label, first in (("fresh inputs", None), ("after fuselm's capture on the same inputs", fuselm.silu_mul)):
+        inputs = [t.requires_grad_() for t in case.make_inputs()]
+        seeds = [torch.randn_like(inputs[0])]
+        alive += [inputs, seeds]
+        for fn in ([first] if first else []) + [hf_swiglu]:
+            replay = captured(lambda fn=fn: torch.autograd.backward(_outputs(fn(*inputs)), seeds), grad_to_none=inputs)
+            alive.append(replay)
+        print(f"eager SwiGLU fwd+bwd replay, {label}: {bench(replay):.3f} ms")
+        profile_step(f"eager replay, {label}", replay)
+
+
 def graphed_fwd(fn, inputs):
     with torch.no_grad():
         for _ in range(3):
@@ -226,7 +245,7 @@ def graphed_step(fn, inputs, leaves, seeds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     parser.add_argument("--close-kernels", nargs="+", help="part 7: only these kernels' close rows")
     args = parser.parse_args()
     parts = args.parts
@@ -242,6 +261,8 @@ def main():
         rope_configs()
     if 7 in parts:
         tie_rounds(kernels=args.close_kernels)
+    if 8 in parts:
+        eager_swiglu_replay()
 
 
 def per_op_and_host():
