@@ -20,33 +20,26 @@ graph, on fresh inputs and on inputs shared with fuselm's graph, with its kernel
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
+import statistics
 import time
 
 import torch
 import triton
+from rich.console import Console
 
 import fuselm
 from fuselm.ops import glu, rms_norm, rope
 from fuselm.ops._common import forced_config
+from kernel_bench import (_outputs, build_cases, captured, graph_replay_ms, hf_swiglu, liger_ops, replay_rounds,
+                          same_size_copy_ms)
 
 BF16 = torch.bfloat16
 
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def graphed(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def host_us(fn, calls=2000):
@@ -121,16 +114,12 @@ def profile_prefill():
 def rope_timeline(replays: int = 5):
     """Per-kernel GPU start and end (µs after the flush ends) of RoPE fwd graph replays: fuselm's one
     kernel against torch.compile's two, each replay after do_bench's L2 flush (zeroing 256 MB)."""
-    from kernel_bench import build_cases
-
     case = next(case for case in build_cases(liger={}) if case.kernel == "rope")
     inputs = case.make_inputs()
     flush = torch.empty(2**26, dtype=torch.int32, device="cuda")
     for impl in ("fuselm", "compile"):
         fn = case.impls[impl]
-        for _ in range(3):  # compile and autotune before the capture
-            fn(*inputs)
-        replay = graphed(lambda: fn(*inputs))
+        replay = captured(lambda: fn(*inputs))  # compiled and autotuned in its warm-up
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 flush.zero_()
@@ -150,8 +139,6 @@ def rope_timeline(replays: int = 5):
 
 def rope_configs():
     """RoPE fwd at the benchmark shape with each config of the out-of-place kernel forced."""
-    from kernel_bench import build_cases, graph_replay_ms, same_size_copy_ms
-
     case = next(case for case in build_cases(liger={}) if case.kernel == "rope")
     inputs = case.make_inputs()
     kernel = rope._rope_out_of_place
@@ -171,9 +158,8 @@ CLOSE_ROWS = [  # (kernel, pass, anchor): where fuselm led the closest anchor by
 
 
 def tie_rounds(rounds: int = 11, kernels: list[str] | None = None):
-    """Each close row timed for fuselm and its anchor in alternating rounds: per-round µs and medians."""
-    from kernel_bench import build_cases, liger_ops
-
+    """Each close row timed for fuselm and its anchor in alternating rounds, each on its own inputs:
+    per-round µs and medians."""
     cases = {case.kernel: case for case in build_cases(liger=liger_ops())}
     for kernel, pass_, anchor in CLOSE_ROWS:
         if kernels and kernel not in kernels:
@@ -182,36 +168,19 @@ def tie_rounds(rounds: int = 11, kernels: list[str] | None = None):
         if anchor not in case.impls:
             print(f"{kernel} {pass_}: {anchor} not available")
             continue
-        replays, alive = {}, []  # a graph replays into its inputs' memory: keep them referenced
-        for impl in ("fuselm", anchor):
-            fn, inputs = case.impls[impl], case.make_inputs()
-            alive.append(inputs)
-            if pass_ == "fwd":
-                replays[impl] = graphed_fwd(fn, inputs)
-            else:
-                leaves = [inputs[i].requires_grad_() for i in case.grad_inputs or range(len(inputs))]
-                with torch.no_grad():
-                    seeds = [torch.randn_like(fn(*inputs))]
-                alive.append(seeds)
-                replays[impl] = graphed_step(fn, inputs, leaves, seeds)
-        times = {impl: [] for impl in replays}
-        for _ in range(rounds):
-            for impl, replay in replays.items():
-                times[impl].append(bench(replay) * 1e3)
+        pair = dataclasses.replace(case, impls={impl: case.impls[impl] for impl in ("fuselm", anchor)})
+        times, _ = replay_rounds(pair, pass_, Console(), rounds=rounds, shared_inputs=False)
         print(f"{kernel} {pass_}, {rounds} alternating rounds (µs):")
         for impl, values in times.items():
-            print(f"  {impl:<8} median {sorted(values)[rounds // 2]:7.1f}  rounds " + " ".join(f"{v:.1f}" for v in values))
+            print(f"  {impl:<8} median {statistics.median(values) * 1e3:7.1f}  rounds "
+                  + " ".join(f"{v * 1e3:.1f}" for v in values))
         wins = sum(f < a for f, a in zip(times["fuselm"], times[anchor]))
         print(f"  fuselm faster than {anchor} in {wins} of {rounds} rounds")
-        del replays, alive
-        torch.cuda.empty_cache()
 
 
 def eager_swiglu_replay():
     """Eager SwiGLU fwd+bwd from a CUDA graph: on fresh inputs, and on inputs whose fuselm graph was
     captured first (as kernel_bench.time_case shares them); each replay's time and kernels."""
-    from kernel_bench import _outputs, build_cases, captured, hf_swiglu
-
     case = next(case for case in build_cases(liger={}) if case.kernel == "swiglu")
     alive = []
     for label, first in (("fresh inputs", None), ("after fuselm's capture on the same inputs", fuselm.silu_mul)):
@@ -223,24 +192,6 @@ def eager_swiglu_replay():
             alive.append(replay)
         print(f"eager SwiGLU fwd+bwd replay, {label}: {bench(replay):.3f} ms")
         profile_step(f"eager replay, {label}", replay)
-
-
-def graphed_fwd(fn, inputs):
-    with torch.no_grad():
-        for _ in range(3):
-            fn(*inputs)
-        return graphed(lambda: fn(*inputs))
-
-
-def graphed_step(fn, inputs, leaves, seeds):
-    def step():
-        torch.autograd.backward(fn(*inputs), seeds)
-        for leaf in leaves:
-            leaf.grad = None
-
-    for _ in range(3):
-        step()
-    return graphed(step)
 
 
 def main():
@@ -281,7 +232,7 @@ def per_op_and_host():
     with torch.no_grad():
         for name, fn in cases.items():
             fn()
-            print(f"{name:<22} call {bench(fn) * 1e3:8.1f} us   graph replay {bench(graphed(fn)) * 1e3:8.1f} us")
+            print(f"{name:<22} call {bench(fn) * 1e3:8.1f} us   graph replay {bench(captured(fn)) * 1e3:8.1f} us")
         print("tuned:", {k: str(v) for k, v in rms_norm._rms_norm_bwd_kernel.cache.items()})
 
     leaves = [t.clone().requires_grad_() for t in (x, r, w)]

@@ -104,42 +104,56 @@ def _outputs(result: object) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def time_case(case: Case, copy_gbps: float, console: Console, rounds: int = ROUNDS) -> list[dict]:
-    """Each implementation's graph replay, timed in ``rounds`` alternating rounds (median over rounds), all
-    reading the same input tensors: rows within a percent of each other are decided neither by clock drift
-    between two measurements nor by where each one's inputs happen to lie in memory."""
-    rows = []
-    for pass_ in ("fwd", "fwd+bwd") if case.bwd_bytes is not None else ("fwd",):
-        n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
-        copy_ms = same_size_copy_ms(n_bytes)
-        inputs = case.make_inputs()
+def replay_rounds(case: Case, pass_: str, console: Console, rounds: int = ROUNDS, shared_inputs: bool = True,
+                  ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each of ``case.impls`` for one pass, captured in a CUDA graph and timed in ``rounds`` alternating
+    rounds. With ``shared_inputs`` every implementation reads the same input tensors, else each its own.
+    Returns ({impl: ms per round}, {impl: ms over plain calls, host overhead included})."""
+    shared = case.make_inputs() if shared_inputs else None
+    replays, call_ms, alive = {}, {}, []  # a graph replays into the memory it captured: keep it referenced
+    for impl, fn in case.impls.items():
+        inputs = shared if shared_inputs else case.make_inputs()
         leaves = []
         if pass_ == "fwd+bwd":
             wanted = case.grad_inputs or range(len(inputs))
             leaves = [inputs[i].requires_grad_() for i in wanted if inputs[i].is_floating_point()]
-        replays, call_ms, seeds = {}, {}, {}
-        for impl, fn in case.impls.items():
-            try:
-                if pass_ == "fwd":
-                    with torch.no_grad():
-                        call_ms[impl] = median_ms(lambda: fn(*inputs))
-                        replays[impl] = captured(lambda: fn(*inputs))
-                else:
-                    seeds[impl] = [torch.randn_like(o) for o in _outputs(fn(*inputs))]
-                    for leaf in leaves:
-                        leaf.grad = None
+        try:
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    call_ms[impl] = median_ms(lambda: fn(*inputs))
+                    replays[impl] = captured(lambda: fn(*inputs))
+            else:
+                seeds = [torch.randn_like(o) for o in _outputs(fn(*inputs))]
+                for leaf in leaves:
+                    leaf.grad = None
 
-                    def step(fn=fn, impl_seeds=seeds[impl]):
-                        torch.autograd.backward(_outputs(fn(*inputs)), impl_seeds)
+                def step(fn=fn, inputs=inputs, seeds=seeds):
+                    torch.autograd.backward(_outputs(fn(*inputs)), seeds)
 
-                    call_ms[impl] = median_ms(step, grad_to_none=leaves)
-                    replays[impl] = captured(step, grad_to_none=leaves)
-            except Exception as exc:  # an anchor that cannot run this case is reported, not fatal
-                console.print(f"[yellow]{case.kernel} {pass_} {impl}: skipped ({type(exc).__name__}: {exc})")
-        times = {impl: [] for impl in replays}
-        for _ in range(rounds):
-            for impl, replay in replays.items():
-                times[impl].append(median_ms(replay))
+                call_ms[impl] = median_ms(step, grad_to_none=leaves)
+                replays[impl] = captured(step, grad_to_none=leaves)
+                alive.append(seeds)
+            alive.append(inputs)
+        except Exception as exc:  # an anchor that cannot run this case is reported, not fatal
+            console.print(f"[yellow]{case.kernel} {pass_} {impl}: skipped ({type(exc).__name__}: {exc})")
+    times = {impl: [] for impl in replays}
+    for _ in range(rounds):
+        for impl, replay in replays.items():
+            times[impl].append(median_ms(replay))
+    del replays, alive
+    torch.cuda.empty_cache()
+    return times, call_ms
+
+
+def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
+    """Rows of :func:`replay_rounds` on shared inputs, ms the median over rounds: rows within a percent
+    of each other are decided neither by clock drift between two measurements nor by where each one's
+    inputs happen to lie in memory."""
+    rows = []
+    for pass_ in ("fwd", "fwd+bwd") if case.bwd_bytes is not None else ("fwd",):
+        n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
+        copy_ms = same_size_copy_ms(n_bytes)
+        times, call_ms = replay_rounds(case, pass_, console)
         formula = case.fwd_formula + (f" + {case.bwd_formula}" if pass_ == "fwd+bwd" else "")
         for impl, impl_times in times.items():
             ms = statistics.median(impl_times)
@@ -150,8 +164,6 @@ def time_case(case: Case, copy_gbps: float, console: Console, rounds: int = ROUN
                          "pct_same_size_copy": round(100 * copy_ms / ms, 1),
                          "same_size_copy_gbps": round(n_bytes / (copy_ms * 1e-3) / GB, 1),
                          "bytes": n_bytes, "formula": formula})
-        del replays, seeds
-        torch.cuda.empty_cache()
     return rows
 
 
