@@ -2,8 +2,8 @@
 and (when liger-kernel imports) Liger-Kernel's ``apply_liger_kernel_to_llama`` on a fresh copy.
 
 Measures prefill latency, greedy-decode throughput and one LoRA training step (PEFT, r=16 on all
-seven projections): time and peak memory. Each time is the median of CUDA-event timings after a
-warm-up. Writes benchmarks/results/e2e-h200.json (or --out).
+seven projections): time and peak memory. Each time is ``timing.median_ms``: the median of CUDA-event
+timings after warm-up. Writes benchmarks/results/e2e-h200.json (or --out).
 """
 
 from __future__ import annotations
@@ -12,35 +12,15 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import peft
 import torch
 import transformers
 import triton
+from timing import median_ms
 
 import fuselm
-
-
-def median_ms(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if not torch.cuda.is_available():  # --smoke on a CPU: wall clock
-            start_s = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start_s) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_gib(fn: Callable[[], object]) -> float:
@@ -94,11 +74,11 @@ def measure(model, label: str, prompt: torch.Tensor, ids: torch.Tensor, decode_n
     model.eval()
     out = {"logits": last_logits(model, prompt)}
     with torch.no_grad():
-        out["prefill_ms"] = median_ms(lambda: model(prompt, logits_to_keep=1, use_cache=False))
+        out["prefill_ms"] = median_ms(lambda: model(prompt, logits_to_keep=1, use_cache=False), min_repeats=5)
         short = prompt[:, :512]
         generate = lambda: model.generate(short, max_new_tokens=decode_new, min_new_tokens=decode_new,  # noqa: E731
                                           do_sample=False)
-        out["decode_tok_s"] = decode_new / (median_ms(generate, repeats=3, warmup=1) / 1e3)
+        out["decode_tok_s"] = decode_new / (median_ms(generate, min_repeats=3) / 1e3)
     lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     lora.train()
@@ -106,7 +86,7 @@ def measure(model, label: str, prompt: torch.Tensor, ids: torch.Tensor, decode_n
     def step():
         lora(input_ids=ids, labels=ids).loss.backward()
 
-    out["lora_ms"] = median_ms(step, repeats=3, warmup=1)
+    out["lora_ms"] = median_ms(step, min_repeats=3)
     out["lora_tok_s"] = ids.numel() / (out["lora_ms"] / 1e3)
     out["lora_peak_gib"] = peak_gib(step)
     lora.zero_grad(set_to_none=True)

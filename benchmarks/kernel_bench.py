@@ -1,11 +1,11 @@
 """Kernel benchmarks on one CUDA GPU: fuselm against HF eager, torch.compile and Liger-Kernel.
 
 Run on the GPU machine (``bash benchmarks/gpu_run.sh`` does it). Every figure is a median of
-``triton.testing.do_bench`` (CUDA events, after warm-up); the memory-bound kernels' rows are the
-median over alternating rounds of every implementation, all reading the same inputs, since several
-sit within a percent of each other at the bandwidth ceiling. Bandwidth figures count the fewest bytes
-each op must move (each input read once, each output written once); the formula is printed with
-the row. The copy-bandwidth and bf16-GEMM ceilings are measured in the same run.
+``timing.median_ms`` (CUDA events, after warm-up, L2 flushed before each call); the memory-bound
+kernels' rows are the median over alternating rounds of every implementation, all reading the same
+inputs, since several sit within a percent of each other at the bandwidth ceiling. Bandwidth figures
+count the fewest bytes each op must move (each input read once, each output written once); the formula
+is printed with the row. The copy-bandwidth and bf16-GEMM ceilings are measured in the same run.
 
 Writes a JSON file (default ``benchmarks/results/kernels-h200.json``) that ``report.py`` turns
 into BENCHMARKS.md.
@@ -27,62 +27,12 @@ import torch.nn.functional as F
 import triton
 from rich.console import Console
 from rich.table import Table
+from timing import GB, captured, copy_gbps, copy_ms, gemm_tflops, median_ms
 
 import fuselm
 
-GB = 1e9
 ROUNDS = 5  # alternating timing rounds per row
 BF16 = torch.bfloat16
-
-
-def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
-
-
-def captured(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (after a warm-up outside it): its replay, the GPU's work without host
-    overhead. The replay reads and writes the memory ``fn`` used: keep its tensors referenced."""
-    def clear_grads():
-        for t in grad_to_none or []:
-            t.grad = None
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compilation, autotuning) outside the capture
-        for _ in range(3):
-            fn()
-            clear_grads()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    clear_grads()
-    return graph.replay
-
-
-def graph_replay_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph: the GPU's time, without host overhead."""
-    return median_ms(captured(fn, grad_to_none))
-
-
-def measure_copy_gbps() -> float:
-    src = torch.randn(2**29, device="cuda", dtype=BF16)  # 1 GiB
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
-
-
-def same_size_copy_ms(n_bytes: int) -> float:
-    """Time of a copy moving n_bytes (read + written), under do_bench as the kernels are: the fixed
-    costs a short kernel pays, e.g. do_bench's L2 flush write-back, are in it too. Not replayed from
-    a CUDA graph: there a copy_ of 512 MiB or more ran at 2.73 TB/s on the H200 (4.2 TB/s plain)."""
-    src = torch.randn(n_bytes // 4, dtype=BF16, device="cuda")  # the kernels' dtype: n_bytes / 2 read, as many written
-    dst = torch.empty_like(src)
-    return median_ms(lambda: dst.copy_(src))
-
-
-def measure_gemm_tflops(n: int = 8192) -> float:
-    a, b = torch.randn(n, n, device="cuda", dtype=BF16), torch.randn(n, n, device="cuda", dtype=BF16)
-    return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
 
 
 @dataclass
@@ -119,9 +69,12 @@ def replay_rounds(case: Case, pass_: str, console: Console, rounds: int = ROUNDS
             leaves = [inputs[i].requires_grad_() for i in wanted if inputs[i].is_floating_point()]
         try:
             if pass_ == "fwd":
+                def forward(fn=fn, inputs=inputs):
+                    return fn(*inputs)
+
                 with torch.no_grad():
-                    call_ms[impl] = median_ms(lambda: fn(*inputs))
-                    replays[impl] = captured(lambda: fn(*inputs))
+                    call_ms[impl] = median_ms(forward)
+                    replays[impl] = captured(forward)
             else:
                 seeds = [torch.randn_like(o) for o in _outputs(fn(*inputs))]
                 for leaf in leaves:
@@ -145,14 +98,14 @@ def replay_rounds(case: Case, pass_: str, console: Console, rounds: int = ROUNDS
     return times, call_ms
 
 
-def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
+def time_case(case: Case, ceiling_gbps: float, console: Console) -> list[dict]:
     """Rows of :func:`replay_rounds` on shared inputs, ms the median over rounds: rows within a percent
     of each other are decided neither by clock drift between two measurements nor by where each one's
     inputs happen to lie in memory."""
     rows = []
     for pass_ in ("fwd", "fwd+bwd") if case.bwd_bytes is not None else ("fwd",):
         n_bytes = case.fwd_bytes + (case.bwd_bytes if pass_ == "fwd+bwd" else 0)
-        copy_ms = same_size_copy_ms(n_bytes)
+        same_size_ms = copy_ms(n_bytes)
         times, call_ms = replay_rounds(case, pass_, console)
         formula = case.fwd_formula + (f" + {case.bwd_formula}" if pass_ == "fwd+bwd" else "")
         for impl, impl_times in times.items():
@@ -160,9 +113,9 @@ def time_case(case: Case, copy_gbps: float, console: Console) -> list[dict]:
             gbps = n_bytes / (ms * 1e-3) / GB
             rows.append({"kernel": case.kernel, "pass": pass_, "impl": impl, "ms": round(ms, 4),
                          "ms_rounds": [round(t, 4) for t in impl_times], "call_ms": round(call_ms[impl], 4),
-                         "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / copy_gbps, 1),
-                         "pct_same_size_copy": round(100 * copy_ms / ms, 1),
-                         "same_size_copy_gbps": round(n_bytes / (copy_ms * 1e-3) / GB, 1),
+                         "gbps": round(gbps, 1), "pct_copy": round(100 * gbps / ceiling_gbps, 1),
+                         "pct_same_size_copy": round(100 * same_size_ms / ms, 1),
+                         "same_size_copy_gbps": round(n_bytes / (same_size_ms * 1e-3) / GB, 1),
                          "bytes": n_bytes, "formula": formula})
     return rows
 
@@ -171,7 +124,9 @@ def liger_ops() -> dict[str, Callable[..., object]]:
     """Liger-Kernel's autograd functions when the wheel is importable, else {}."""
     try:
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        from liger_kernel.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction,
+        )
         from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
@@ -245,8 +200,8 @@ def build_cases(liger: dict) -> list[Case]:
         pos = torch.arange(s, device="cuda", dtype=torch.float32)
         inv_freq = 1.0 / 500000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
         angles = torch.cat([torch.outer(pos, inv_freq)] * 2, dim=-1)[None]
-        return (torch.randn(b, hq, s, d, device="cuda", dtype=BF16), torch.randn(b, hk, s, d, device="cuda", dtype=BF16),
-                angles.cos().to(BF16), angles.sin().to(BF16))
+        q, k = (torch.randn(b, heads, s, d, device="cuda", dtype=BF16) for heads in (hq, hk))
+        return q, k, angles.cos().to(BF16), angles.sin().to(BF16)
 
     def glu_inputs():
         return torch.randn(m, i, device="cuda", dtype=BF16), torch.randn(m, i, device="cuda", dtype=BF16)
@@ -296,7 +251,10 @@ def linear_cross_entropy_rows(liger: dict, console: Console) -> list[dict]:
             torch.cuda.synchronize()
             grads_bytes = hh.grad.nbytes + ww.grad.nbytes
             peak_mb = (torch.cuda.max_memory_allocated() - base - grads_bytes) / 2**20
-            ms = median_ms(lambda: fn(hh, ww, y).backward(), grad_to_none=[hh, ww])
+            def step(fn=fn, hh=hh, ww=ww):
+                fn(hh, ww, y).backward()
+
+            ms = median_ms(step, grad_to_none=[hh, ww])
         except Exception as exc:
             console.print(f"[yellow]linear_cross_entropy {impl}: skipped ({type(exc).__name__}: {exc})")
             continue
@@ -331,22 +289,24 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=140)
     torch.manual_seed(0)
-    copy_gbps, gemm_tflops = measure_copy_gbps(), measure_gemm_tflops()
+    ceiling_gbps, ceiling_tflops = copy_gbps(), gemm_tflops()
     liger = liger_ops()
     results = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "liger": _version("liger-kernel"), "transformers": _version("transformers"), "python": platform.python_version(),
+        "liger": _version("liger-kernel"), "transformers": _version("transformers"),
+        "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy_gbps, 1), "gemm_tflops": round(gemm_tflops, 1),
+        "copy_gbps": round(ceiling_gbps, 1), "gemm_tflops": round(ceiling_tflops, 1),
         "method": f"ms: median over {ROUNDS} alternating rounds (ms_rounds; every implementation of a row reads the "
-                  "same input tensors) of the median of triton.testing.do_bench (CUDA events, warm-up, L2 flushed) "
-                  "over replays of a CUDA graph of the call, i.e. GPU time; call_ms: do_bench over plain calls, host "
-                  "overhead included; linear_cross_entropy: one do_bench over plain calls; bf16",
+                  "same input tensors) of the median of benchmarks/timing.py's median_ms (CUDA events, warm-up, L2 "
+                  "flushed; do_bench's method) over replays of a CUDA graph of the call, i.e. GPU time; call_ms: "
+                  "median_ms over plain calls, host overhead included; linear_cross_entropy: one median_ms over "
+                  "plain calls; bf16",
         "rows": [],
     }
     for case in build_cases(liger):
         if not args.only or case.kernel in args.only:
-            results["rows"] += time_case(case, copy_gbps, console)
+            results["rows"] += time_case(case, ceiling_gbps, console)
             torch.cuda.empty_cache()
     if not args.only or "linear_cross_entropy" in args.only:
         results["rows"] += linear_cross_entropy_rows(liger, console)

@@ -1,0 +1,143 @@
+"""How fuselm's benchmarks time GPU work and measure the GPU's ceilings.
+
+One rule for every benchmark script (kernels, end to end, decode), so their figures compare:
+
+- :func:`median_ms`: the median over CUDA-event-timed calls after warm-up calls, the L2 cache flushed
+  before each timed call (``triton.testing.do_bench``'s method). Without CUDA, wall clock, so that a
+  script's ``--smoke`` run on a CPU machine goes through the same code.
+- :func:`captured`: a call captured in a CUDA graph; time its replay to get the GPU's time without
+  the host's launch overhead.
+- :func:`copy_gbps`, :func:`gemm_tflops`: the two ceilings a figure is compared with, measured in the
+  same run as the figure: device-to-device copy bandwidth (bytes read + written) and the bf16 GEMM rate;
+  :func:`copy_ms`: a copy moving a given number of bytes, the reference for a memory-bound kernel.
+
+Import it from a script in benchmarks/ (``python benchmarks/<script>.py`` puts benchmarks/ first on
+sys.path): ``from timing import median_ms``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+GB = 1e9
+L2_FLUSH_BYTES = 256 * 2**20  # zeroed before each timed call: larger than any current GPU's L2 (H200: 60 MB)
+
+
+def median_ms(fn: Callable[[], object], *, warmup_ms: float = 50.0, rep_ms: float = 200.0, min_repeats: int = 1,
+              grad_to_none: Sequence[torch.Tensor] = (), flush_l2: bool = True) -> float:
+    """Median time of one call of ``fn``, in milliseconds.
+
+    ``fn`` is called once untimed (compilation, autotuning, allocator warm-up) and once more to estimate
+    how long a call takes; warm-up calls follow for about ``warmup_ms``, then timed calls for about
+    ``rep_ms``, at least ``min_repeats`` of them. A timed call's time is that between two CUDA events
+    recorded on the current stream before and after it: the GPU's time for its work, including any gap
+    in which the GPU waits for the host to launch the next kernel. Before each timed call, untimed:
+    the gradients of ``grad_to_none`` are reset to None (a fwd+bwd ``fn`` then accumulates nothing) and,
+    with ``flush_l2``, a 256 MiB buffer is zeroed so that the call starts from a cold L2. This is
+    ``triton.testing.do_bench``'s method (``return_mode="median"``), plus ``min_repeats`` and the CPU
+    fallback: without CUDA, the wall-clock time (``time.perf_counter``) of the same calls, no flush.
+
+    Short kernels: keep the defaults (hundreds of timed calls). Calls of a second or more (``generate``,
+    a training step): ``min_repeats`` of 3 to 5 sets the count.
+    """
+    if min_repeats < 1:
+        raise ValueError(f"min_repeats must be at least 1, got {min_repeats}")
+    cuda = torch.cuda.is_available()
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if cuda and flush_l2 else None
+
+    def prepare() -> None:
+        for tensor in grad_to_none:
+            tensor.grad = None
+        if flush is not None:
+            flush.zero_()
+
+    fn()
+    _synchronize(cuda)
+    start = _mark(cuda)  # the estimate includes the flush: the budgets are the GPU's time spent, as do_bench's
+    prepare()
+    fn()
+    end = _mark(cuda)
+    _synchronize(cuda)
+    estimate_ms = max(_elapsed_ms(start, end), 1e-3)
+    for _ in range(int(warmup_ms / estimate_ms)):
+        fn()
+    spans = []
+    for _ in range(max(min_repeats, int(rep_ms / estimate_ms))):
+        prepare()
+        before = _mark(cuda)
+        fn()
+        spans.append((before, _mark(cuda)))
+    _synchronize(cuda)
+    return statistics.median(_elapsed_ms(before, after) for before, after in spans)
+
+
+def captured(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph, after three warm-up calls on a side stream (compilation and
+    autotuning stay out of the capture): returns the graph's replay, which runs ``fn``'s GPU work with no
+    host overhead. A replay reads and writes the memory the capture used: keep ``fn``'s tensors referenced
+    while the replay is in use. ``grad_to_none``'s gradients are reset after the warm-up and the capture."""
+
+    def clear_grads() -> None:
+        for tensor in grad_to_none:
+            tensor.grad = None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+            clear_grads()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    clear_grads()
+    return graph.replay
+
+
+def copy_ms(moved_bytes: int) -> float:
+    """Time of a device-to-device bf16 ``copy_`` moving ``moved_bytes`` (half read, half written), timed
+    by :func:`median_ms` over plain calls, as a kernel's call would be: the reference a kernel moving as
+    many bytes is compared with, fixed costs of a short call (e.g. the L2 flush's write-back) included.
+    Not replayed from a CUDA graph: there a copy of 512 MiB or more ran at 2.73 TB/s on an H200, against
+    4.2 TB/s called plainly."""
+    src = torch.randn(moved_bytes // 4, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return median_ms(lambda: dst.copy_(src))
+
+
+def copy_gbps(moved_bytes: int = 2**31) -> float:
+    """Copy bandwidth in GB/s, bytes read + written: :func:`copy_ms` of ``moved_bytes`` (default 2 GiB:
+    1 GiB read, 1 GiB written, far beyond L2)."""
+    return moved_bytes / (copy_ms(moved_bytes) * 1e-3) / GB
+
+
+def gemm_tflops(n: int = 8192) -> float:
+    """bf16 GEMM rate in TFLOP/s: ``a @ b`` of two ``[n, n]`` matrices, 2·n³ FLOPs, timed by :func:`median_ms`."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+def _synchronize(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _mark(cuda: bool) -> torch.cuda.Event | float:
+    """A point in time: a CUDA event recorded on the current stream, or ``time.perf_counter()``."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed_ms(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    """Milliseconds between two :func:`_mark` points (CUDA events: after a synchronize)."""
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    return start.elapsed_time(end)
