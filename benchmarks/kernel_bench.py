@@ -9,6 +9,16 @@ is printed with the row. The copy-bandwidth and bf16-GEMM ceilings are measured 
 
 Writes a JSON file (default ``benchmarks/results/kernels-h200.json``) that ``report.py`` turns
 into BENCHMARKS.md.
+
+``--ncu`` times nothing: it runs the forward of each ``--only`` kernel once per implementation (fuselm,
+then its anchors compile and Liger) inside a CUDA profiler range, compilation and autotuning done
+before it, so that Nsight Compute counts the DRAM bytes each kernel really moves:
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 ncu --target-processes application-only --clock-control none \
+        --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python benchmarks/kernel_bench.py --ncu --only rope
+
+(One compile thread: with inductor's compile workers running, ncu attached to them and hung.)
 """
 
 from __future__ import annotations
@@ -220,6 +230,25 @@ def build_cases(liger: dict) -> list[Case]:
     ]
 
 
+def profile_forwards(case: Case, console: Console) -> None:
+    """``case``'s forward once per implementation, fuselm first, then the anchors, each inside a CUDA
+    profiler range (for ``ncu --profile-from-start off``) after three calls outside it."""
+    impls = [impl for impl in ("fuselm", "compile", "liger") if impl in case.impls]
+    inputs = case.make_inputs()
+    console.print(f"{case.kernel} fwd: counted {case.fwd_bytes / 1e6:.1f} MB ({case.fwd_formula}); the profiled "
+                  f"kernels follow in this order: {', '.join(impls)}")
+    with torch.no_grad():
+        for impl in impls:
+            fn = case.impls[impl]
+            for _ in range(3):
+                fn(*inputs)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            fn(*inputs)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+
+
 def linear_cross_entropy_rows(liger: dict, console: Console) -> list[dict]:
     """Fused linear cross-entropy, fwd+bwd, with peak extra memory, against its three GEMMs."""
     tokens, hidden, vocab = 8192, 4096, 128256
@@ -286,9 +315,17 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     parser.add_argument("--only", nargs="*", help="kernels to run (default: all)")
     parser.add_argument("--merge-into", help="an earlier results file: keep its rows for the kernels not run now")
+    parser.add_argument("--ncu", action="store_true",
+                        help="no timing: each --only kernel's forward once per implementation inside a CUDA "
+                             "profiler range, for ncu --profile-from-start off (command in this file's docstring)")
     args = parser.parse_args()
     console = Console(width=140)
     torch.manual_seed(0)
+    if args.ncu:
+        for case in build_cases(liger_ops()):
+            if not args.only or case.kernel in args.only:
+                profile_forwards(case, console)
+        return
     ceiling_gbps, ceiling_tflops = copy_gbps(), gemm_tflops()
     liger = liger_ops()
     results = {
