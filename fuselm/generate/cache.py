@@ -46,7 +46,7 @@ def _config_int(config: PreTrainedConfig, attr: str) -> int | None:
 
 
 def head_facts(config: PreTrainedConfig) -> tuple[int, int]:
-    """(num_key_value_heads, head_dim) of a decoder config, read the way HF's attention modules read them:
+    """(num_key_value_heads, head_dim) of a decoder (layer's) config, read the way HF's attention modules read them:
     ``head_dim`` or ``hidden_size // num_attention_heads``; ``num_key_value_heads`` or ``num_attention_heads``."""
     heads = _config_int(config, "num_attention_heads")
     if heads is None:
@@ -187,15 +187,16 @@ class FusedKVCache(StaticCache):
             raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
 
         config = config.get_text_config(decoder=True)
-        kv_heads, head_dim = head_facts(config)
         windows = sliding_windows(config)
         # starts and ends side by side, so plan() sets both with one copy
         self._row_lengths = torch.zeros(2, batch_size, dtype=torch.int32, device=device)
         self._starts, self._ends = self._row_lengths.unbind(0)
-        shape = (batch_size, kv_heads, max_cache_len, head_dim)
-        layers = [FusedKVLayer(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device), self._ends, window)
-                  for window in windows]
+        layers = []
+        for layer_config, window in zip(config.per_layer_config, windows, strict=True):
+            kv_heads, head_dim = head_facts(layer_config)
+            shape = (batch_size, kv_heads, max_cache_len, head_dim)
+            keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            layers.append(FusedKVLayer(keys, values, self._ends, window))
         Cache.__init__(self, layers=layers)
         # fixed addresses for torch.compile's cudagraphs, as HF's StaticLayer marks its own
         for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
@@ -219,14 +220,6 @@ class FusedKVCache(StaticCache):
     @property
     def max_cache_len(self) -> int:
         return self.layers[0].max_cache_len
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.layers[0].num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.layers[0].head_dim
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,10 +273,14 @@ class FusedKVCache(StaticCache):
         beam_idx = beam_idx.to(self.device)
         self._row_lengths.copy_(self._row_lengths.index_select(1, beam_idx))
 
-    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
+    def early_initialization(self, batch_size: int, num_heads: int | list[int], head_dim: int | list[int],
+                             dtype: torch.dtype, device) -> None:
         """Already allocated at construction: checks that what HF asks for is what the cache holds."""
-        wanted = (batch_size, num_heads, head_dim, dtype, torch.device(device))
-        held = (self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(self.layers)
+        head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * len(self.layers)
+        wanted = (batch_size, num_heads, head_dim, dtype, torch.device(device).type)
+        held = (self.batch_size, [layer.num_heads for layer in self.layers], [layer.head_dim for layer in self.layers],
+                self.dtype, self.device.type)
         if wanted != held:
             raise ValueError(f"early_initialization asks for (batch, kv heads, head_dim, dtype, device) {wanted}, "
                              f"the cache holds {held}")
