@@ -198,9 +198,9 @@ class FusedKVCache(StaticCache):
             keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
             layers.append(FusedKVLayer(keys, values, self._ends, window))
         Cache.__init__(self, layers=layers)
-        # fixed addresses for torch.compile's cudagraphs, as HF's StaticLayer marks its own
-        for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
-            torch._dynamo.mark_static_address(tensor)
+        if not torch.compiler.is_compiling():  # fixed addresses for compile's cudagraphs, as HF's StaticLayer marks
+            for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
+                torch._dynamo.mark_static_address(tensor)
 
     # ------------------------------------------------------------------ fused kernels' view
     def buffers(self, layer_idx: int) -> tuple[Tensor, Tensor]:

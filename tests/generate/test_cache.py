@@ -107,14 +107,16 @@ def test_greedy_generate_matches_static_and_dynamic_caches(name):
 
 @pytest.mark.parametrize("name", SLIDING)
 def test_generate_far_past_the_sliding_window_with_room_to_spare(name):
-    """A cache longer than needed (the mask covers all of it) and 3x more new tokens than the window."""
+    """A cache longer than needed (the mask covers all of it), 3x more new tokens than the window, and the cache
+    passed under generate's older (deprecated) name."""
     model = family_model(name)
     ids, mask = left_padded_batch(pads=(2, 0), seq_len=7)
     cache = FusedKVCache(model, 2, 7 + NEW + 13)
     cache.plan(mask)
     assert cache.sliding_windows == tuple(6 if kind == "sliding_attention" else None
                                           for kind in getattr(model.config, "layer_types", ["sliding_attention"] * 2))
-    assert torch.equal(greedy(model, ids, mask, cache=cache), greedy(model, ids, mask))
+    assert torch.equal(greedy(model, ids, mask, past_key_values=cache), greedy(model, ids, mask))
+    assert cache.lengths()[1].tolist() == [7 + NEW - 1] * 2
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
@@ -128,9 +130,8 @@ def test_patched_model_generates_the_same_tokens_with_the_cache(name):
     assert_lengths_follow_the_mask(seen, mask)
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "gemma3"])
-def test_patched_model_through_triton_kernels_with_the_cache(name):
-    model = family_model(name)
+def test_patched_model_through_triton_kernels_with_the_cache():
+    model = family_model("gemma3")  # sliding and full layers, q/k norms
     ids, mask = left_padded_batch()
     expected = greedy(model, ids, mask)
     fuselm.patch(model)
