@@ -353,3 +353,17 @@ def test_decode_step_replays_in_a_cuda_graph_as_it_runs_eagerly():
     for layer_idx in range(len(graph_cache)):
         for got, expected in zip(graph_cache.buffers(layer_idx), eager_cache.buffers(layer_idx)):
             assert rel_err(got, expected) <= 1e-5
+
+
+def test_beam_search_reorders_rows_in_place():
+    model = family_model("qwen2")
+    ids, mask = left_padded_batch()
+    beams = {"num_beams": 3, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(ids, attention_mask=mask, **beams)
+    cache = FusedKVCache(model, len(PADS) * 3, PROMPT + 6)
+    cache.plan(mask.repeat_interleave(3, 0))
+    storage = [t.data_ptr() for t in (*all_buffers(cache), *cache.lengths())]
+    with mock.patch.object(cache, "reorder_cache", wraps=cache.reorder_cache) as reorder:
+        assert torch.equal(model.generate(ids, attention_mask=mask, cache=cache, **beams), expected)
+    assert reorder.call_count > 0
+    assert [t.data_ptr() for t in (*all_buffers(cache), *cache.lengths())] == storage
