@@ -75,7 +75,7 @@ def assert_lengths_follow_the_mask(seen, mask):
         assert torch.equal(ends.cpu(), torch.full_like(pads, seq_len)), (seq_len, ends)
 
 
-def assert_buffers_hold_static_cache_states(cache: FusedKVCache, static: StaticCache, mask):
+def assert_buffers_hold_static_cache_states(cache: FusedKVCache, static: StaticCache):
     """At each row's valid slots, every layer's keys and values equal StaticCache's. Its sliding layers keep only
     the last ``window`` slots (in order), compared with the same slots here. Slots past ``ends`` were never written."""
     starts, ends = (t.cpu() for t in cache.lengths())
@@ -102,7 +102,7 @@ def test_greedy_generate_matches_static_and_dynamic_caches(name):
     assert torch.equal(tokens, greedy(model, ids, mask, cache=static))
     assert tokens.shape == (len(PADS), PROMPT + NEW)
     assert_lengths_follow_the_mask(seen, mask)
-    assert_buffers_hold_static_cache_states(cache, static, mask)
+    assert_buffers_hold_static_cache_states(cache, static)
 
 
 @pytest.mark.parametrize("name", SLIDING)
@@ -306,6 +306,21 @@ def test_bad_plan_and_update_arguments_are_named():
             cache.update(good, bad, 1)
     with pytest.raises(ValueError, match="early_initialization"):
         cache.early_initialization(batch_size=3, num_heads=2, head_dim=24, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("patched", [False, True])
+def test_hf_generate_on_cuda_compiles_the_decode_forward_over_the_cache(patched):
+    """On CUDA, generate compiles the decode forward for a compileable cache (mode reduce-overhead: cudagraphs)."""
+    model = family_model("gemma2")
+    ids, mask = left_padded_batch()
+    expected = greedy(model, ids, mask)
+    if patched:
+        fuselm.patch(model)
+    tokens, _, seen = generate_with_fused_cache(model, ids, mask)
+    assert hasattr(model, "_compiled_call"), "generate did not compile the forward"
+    assert torch.equal(tokens, expected)
+    assert_lengths_follow_the_mask(seen, mask)
 
 
 @pytest.mark.gpu
