@@ -54,15 +54,17 @@ class LengthsRecorder(LogitsProcessor):
         return scores
 
 
-def greedy(model, ids, mask, **kwargs):
-    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs)
+def greedy(model, ids, mask, auto_compile=False, **kwargs):
+    """HF's greedy generate; on CUDA it compiles the decode forward for a compileable cache only when asked."""
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          disable_compile=not auto_compile, **kwargs)
 
 
-def generate_with_fused_cache(model, ids, mask, cache=None):
+def generate_with_fused_cache(model, ids, mask, cache=None, auto_compile=False):
     cache = cache or FusedKVCache(model, ids.shape[0], ids.shape[1] + NEW)
     cache.plan(mask)
     recorder = LengthsRecorder(cache)
-    tokens = greedy(model, ids, mask, cache=cache, logits_processor=LogitsProcessorList([recorder]))
+    tokens = greedy(model, ids, mask, auto_compile, cache=cache, logits_processor=LogitsProcessorList([recorder]))
     return tokens, cache, recorder.seen
 
 
@@ -317,7 +319,7 @@ def test_hf_generate_on_cuda_compiles_the_decode_forward_over_the_cache(patched)
     expected = greedy(model, ids, mask)
     if patched:
         fuselm.patch(model)
-    tokens, _, seen = generate_with_fused_cache(model, ids, mask)
+    tokens, _, seen = generate_with_fused_cache(model, ids, mask, auto_compile=True)
     assert hasattr(model, "_compiled_call"), "generate did not compile the forward"
     assert torch.equal(tokens, expected)
     assert_lengths_follow_the_mask(seen, mask)
@@ -373,7 +375,7 @@ def test_decode_step_replays_in_a_cuda_graph_as_it_runs_eagerly():
 def test_beam_search_reorders_rows_in_place():
     model = family_model("qwen2")
     ids, mask = left_padded_batch()
-    beams = {"num_beams": 3, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    beams = {"num_beams": 3, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "disable_compile": True}
     expected = model.generate(ids, attention_mask=mask, **beams)
     cache = FusedKVCache(model, len(PADS) * 3, PROMPT + 6)
     cache.plan(mask.repeat_interleave(3, 0))
