@@ -1,0 +1,286 @@
+"""fuselm's KV cache: preallocated, graph-safe, and an HF ``Cache``.
+
+Per layer, one key buffer and one value buffer of shape [B, Hkv, max_cache_len, D], every layer at full length
+(sliding-window layers too: attention applies the window, the cache keeps every position). Per row b, the valid
+cache positions are ``starts[b] <= slot < ends[b]`` (two int32 [B] device tensors shared by all layers):
+``starts`` skips the row's left padding, ``ends`` is one past the last written slot.
+
+Plan/run, as FlashInfer does:
+
+- ``plan(attention_mask)`` once per batch of sequences: sets ``starts`` from the left-padded 2-D mask and empties
+  the cache (``ends = 0``), on the device, without reallocating.
+- per forward, device-only work: ``advance(T)`` (``ends += T``) once, then each layer writes its T new positions at
+  slots ``ends - T .. ends - 1`` and attends over ``[starts, ends)``. HF's attention goes through ``update``, which
+  advances on layer 0 and writes with ``index_put_``; fused kernels take ``buffers(layer_idx)`` and ``lengths()``
+  and write in place themselves.
+
+Nothing in a step reads a length back to the host or has a data-dependent shape, and no tensor is ever
+reallocated, so a step can be captured in a CUDA graph and replayed while the lengths change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedConfig, StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _config_int(config: PreTrainedConfig, attr: str) -> int | None:
+    value = getattr(config, attr, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model_or_config: config.{attr} must be a positive int, got {value!r}")
+    return value
+
+
+def head_facts(config: PreTrainedConfig) -> tuple[int, int]:
+    """(num_key_value_heads, head_dim) of a decoder (layer's) config, read the way HF's attention modules read them:
+    ``head_dim`` or ``hidden_size // num_attention_heads``; ``num_key_value_heads`` or ``num_attention_heads``."""
+    heads = _config_int(config, "num_attention_heads")
+    if heads is None:
+        raise ValueError("model_or_config: the config has no num_attention_heads")
+    head_dim = _config_int(config, "head_dim")
+    if head_dim is None:
+        hidden = _config_int(config, "hidden_size")
+        if hidden is None:
+            raise ValueError("model_or_config: the config has neither head_dim nor hidden_size")
+        if hidden % heads:
+            raise ValueError(f"model_or_config: config.hidden_size {hidden} is not a multiple of "
+                             f"num_attention_heads {heads}, and the config has no head_dim")
+        head_dim = hidden // heads
+    kv_heads = _config_int(config, "num_key_value_heads") or heads
+    return kv_heads, head_dim
+
+
+def sliding_windows(config: PreTrainedConfig) -> tuple[int | None, ...]:
+    """Per layer, the sliding window of a ``sliding_attention`` layer or None for a ``full_attention`` one."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(f"model_or_config: layer types {unsupported} are not supported (full_attention and "
+                         "sliding_attention are)")
+    return tuple(kwargs.get("sliding_window") for kwargs in layer_kwargs)
+
+
+class FusedKVLayer(CacheLayerMixin):
+    """One layer's key and value buffers, [B, Hkv, max_cache_len, D], writing at the cache's current step.
+
+    ``ends`` is the cache's shared [B] int32 tensor: ``update`` writes its T positions at slots ``ends - T ..
+    ends - 1`` of each row, i.e. after the cache has advanced for this step.
+    """
+
+    is_compileable = True  # fixed shapes and addresses, lengths on the device
+    supports_early_init = True
+
+    def __init__(self, keys: Tensor, values: Tensor, ends: Tensor, sliding_window: int | None):
+        super().__init__()
+        self.keys, self.values, self._ends = keys, values, ends
+        self.batch_size, self.num_heads, self.max_cache_len, self.head_dim = keys.shape
+        self.device, self.dtype = keys.device, keys.dtype
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self._rows = torch.arange(self.batch_size, device=self.device).unsqueeze(1)  # [B, 1], indexes each row
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """The buffers exist from construction; this only checks that the states fit them."""
+        self._check_states(key_states, value_states)
+
+    def _check_states(self, key_states: Tensor, value_states: Tensor) -> None:
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(states, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(states).__name__}")
+            batch, heads, _, head_dim = states.shape if states.dim() == 4 else (None,) * 4
+            if (batch, heads, head_dim) != (self.batch_size, self.num_heads, self.head_dim):
+                raise ValueError(f"{name} must have shape [{self.batch_size}, {self.num_heads}, T, {self.head_dim}] "
+                                 f"(the cache's batch, kv heads and head_dim), got {tuple(states.shape)}")
+            if states.dtype != self.dtype or states.device != self.device:
+                raise TypeError(f"{name} is {states.dtype} on {states.device}, the cache is {self.dtype} on "
+                                f"{self.device}")
+        if key_states.shape[2] != value_states.shape[2]:
+            raise ValueError(f"key_states has {key_states.shape[2]} positions, value_states {value_states.shape[2]}")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write [B, Hkv, T, D] states at each row's slots ``ends - T .. ends - 1``; return the whole buffers,
+        which HF's attention masks with the [B, 1, T, max_cache_len] mask that ``get_mask_sizes`` sizes."""
+        self._check_states(key_states, value_states)
+        new = key_states.shape[2]
+        slots = self._ends.unsqueeze(1) - new + torch.arange(new, device=self.device, dtype=self._ends.dtype)
+        slots = slots.long()  # [B, T]; with the [B, 1] rows, one [B, T] grid of (row, slot) pairs
+        self.keys[self._rows, :, slots] = key_states.transpose(1, 2)  # each (row, slot) takes a [Hkv, D] slice
+        self.values[self._rows, :, slots] = value_states.transpose(1, 2)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask HF builds: the whole buffer from slot 0."""
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> Tensor:
+        """Slots used so far (a 0-d device tensor, like StaticLayer's): the largest ``ends``."""
+        return self._ends.amax()
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: rows reordered in place, so the buffers keep their addresses."""
+        beam_idx = beam_idx.to(self.device)
+        self.keys.copy_(self.keys.index_select(0, beam_idx))
+        self.values.copy_(self.values.index_select(0, beam_idx))
+
+
+class FusedKVCache(StaticCache):
+    """A preallocated KV cache for ``batch_size`` rows of up to ``max_cache_len`` positions, usable as HF's
+    ``Cache`` (``model.generate(..., cache=FusedKVCache(model, B, L))``) and by fuselm's fused kernels.
+
+    Args:
+        model_or_config: a HF causal LM (dtype and device default to the model's) or its config (then ``dtype``
+            is needed, unless the config names one; ``device`` defaults to torch's default device).
+        batch_size: rows B.
+        max_cache_len: positions per row L, prompt plus new tokens (padding included).
+        dtype: float32, float16 or bfloat16.
+        device: where the buffers live.
+
+    Per layer ``i``, ``buffers(i)`` is (keys, values), each [B, Hkv, L, D] in ``dtype``; ``lengths()`` is
+    (starts, ends), each [B] int32, valid slots ``starts[b] <= s < ends[b]``. Call ``plan(attention_mask)``
+    before each new batch of prompts (``generate`` does not: a cache with tokens in it is continued).
+    """
+
+    def __init__(self, model_or_config, batch_size: int, max_cache_len: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        if isinstance(model_or_config, PreTrainedConfig):
+            config = model_or_config
+            config_dtype = getattr(config, "dtype", None)
+            dtype = dtype if dtype is not None else (config_dtype if isinstance(config_dtype, torch.dtype) else None)
+            if dtype is None:
+                raise ValueError("dtype: the config names no dtype; pass dtype= (or pass the model)")
+            device = torch.device(device) if device is not None else torch.get_default_device()
+        elif isinstance(model_or_config, torch.nn.Module) and isinstance(getattr(model_or_config, "config", None),
+                                                                          PreTrainedConfig):
+            config = model_or_config.config
+            dtype = dtype if dtype is not None else model_or_config.dtype
+            device = torch.device(device) if device is not None else model_or_config.device
+        else:
+            raise TypeError("model_or_config must be a transformers model or PreTrainedConfig, got "
+                            f"{type(model_or_config).__name__}")
+        batch_size = _positive_int("batch_size", batch_size)
+        max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+
+        config = config.get_text_config(decoder=True)
+        windows = sliding_windows(config)
+        # starts and ends side by side, so plan() sets both with one copy
+        self._row_lengths = torch.zeros(2, batch_size, dtype=torch.int32, device=device)
+        self._starts, self._ends = self._row_lengths.unbind(0)
+        layers = []
+        for layer_config, window in zip(config.per_layer_config, windows, strict=True):
+            kv_heads, head_dim = head_facts(layer_config)
+            shape = (batch_size, kv_heads, max_cache_len, head_dim)
+            keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            layers.append(FusedKVLayer(keys, values, self._ends, window))
+        Cache.__init__(self, layers=layers)
+        if not torch.compiler.is_compiling():  # fixed addresses for compile's cudagraphs, as HF's StaticLayer marks
+            for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
+                torch._dynamo.mark_static_address(tensor)
+
+    # ------------------------------------------------------------------ fused kernels' view
+    def buffers(self, layer_idx: int) -> tuple[Tensor, Tensor]:
+        """(keys, values) of one layer, each [B, Hkv, max_cache_len, D], written in place by fused kernels."""
+        layer = self.layers[layer_idx]
+        return layer.keys, layer.values
+
+    def lengths(self) -> tuple[Tensor, Tensor]:
+        """(starts, ends), each [B] int32 on the cache's device: row b's valid slots are starts[b] <= s < ends[b]."""
+        return self._starts, self._ends
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the window a decode attention applies, or None (full attention)."""
+        return tuple(layer.sliding_window for layer in self.layers)
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.layers[0].max_cache_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    # ------------------------------------------------------------------ plan / run
+    def plan(self, attention_mask: Tensor | None = None) -> None:
+        """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], 1 or
+        True at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work only."""
+        if attention_mask is None:
+            self._row_lengths.zero_()
+            return
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise TypeError(f"attention_mask must be a bool or integer tensor, got dtype {attention_mask.dtype}")
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != self.batch_size:
+            raise ValueError(f"attention_mask must have shape [{self.batch_size}, S] (the cache's batch), got "
+                             f"{tuple(attention_mask.shape)}")
+        if attention_mask.shape[1] > self.max_cache_len:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions, more than max_cache_len "
+                             f"{self.max_cache_len}")
+        mask = attention_mask.to(self.device, non_blocking=True) != 0
+        left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
+        self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
+
+    def advance(self, num_tokens: int) -> None:
+        """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
+        Each layer then writes them at slots ``ends - num_tokens .. ends - 1``."""
+        self._ends.add_(num_tokens)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        """HF's write path: layer 0 opens the step (``advance(T)``), then the layer writes its [B, Hkv, T, D]
+        states; returns that layer's whole (keys, values) buffers."""
+        if layer_idx == 0:
+            self.advance(key_states.shape[2])
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def reset(self) -> None:
+        """Zero every buffer and both lengths in place (no reallocation)."""
+        super().reset()
+        self._row_lengths.zero_()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        super().reorder_cache(beam_idx)
+        beam_idx = beam_idx.to(self.device)
+        self._row_lengths.copy_(self._row_lengths.index_select(1, beam_idx))
+
+    def early_initialization(self, batch_size: int, num_heads: int | list[int], head_dim: int | list[int],
+                             dtype: torch.dtype, device) -> None:
+        """Already allocated at construction: checks that what HF asks for is what the cache holds."""
+        num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(self.layers)
+        head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * len(self.layers)
+        wanted = (batch_size, num_heads, head_dim, dtype, torch.device(device).type)
+        held = (self.batch_size, [layer.num_heads for layer in self.layers], [layer.head_dim for layer in self.layers],
+                self.dtype, self.device.type)
+        if wanted != held:
+            raise ValueError(f"early_initialization asks for (batch, kv heads, head_dim, dtype, device) {wanted}, "
+                             f"the cache holds {held}")
