@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselm.backend import runs_triton
+from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import FusedOp, autotune, check_same, check_same_device, check_tensor, new_output, sm_count
 from fuselm.ops.cross_entropy import _softcap
 
@@ -46,6 +46,7 @@ MAX_SPLITS = 64
 TILE_ELEMENTS = 8192  # fp32 elements of a program's [rows, D] accumulator (and of one combine step)
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined K/V tiles a config may hold (H200: 227 KiB per block)
 _LOG2E = tl.constexpr(1.4426950408889634)
+_WIDEN_BF16_DOT = tl.constexpr(INTERPRETING)
 
 
 # ----------------------------------------------------------------------------------- reference
@@ -60,6 +61,8 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, star
     batch, n_heads, n_queries, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
+    if cache_len == 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
     work = torch.promote_types(q.dtype, torch.float32)
     positions = torch.arange(cache_len, device=q.device)
     query_positions = ends.long()[:, None] - n_queries + torch.arange(n_queries, device=q.device)  # [B, T]
@@ -94,6 +97,15 @@ _CONFIGS = [  # positions per K/V tile, warps, pipeline stages; the first is the
     triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
     for n, w, s in [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
 ]
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32. Triton 3.6's interpreter multiplies bf16 operands as their uint16 bit
+    patterns, so there they are widened to fp32 first (exactly: the same products a GPU sums)."""
+    if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -161,7 +173,7 @@ def _decode_attention_kernel(
                         eviction_policy="evict_first")
             v = tl.load(v_base + positions[:, None].to(tl.int64) * stride_vl, mask=kv_mask, other=0.0,
                         eviction_policy="evict_first")
-            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            logits = _dot(q, tl.trans(k), DOT_PRECISION) * scale
             if HAS_SOFTCAP:
                 logits, _ = _softcap(logits, softcap)
             visible = (in_chunk[None, :] & (positions[None, :] >= row_lo[:, None])
@@ -172,7 +184,7 @@ def _decode_attention_kernel(
             weights = tl.exp2(logits - shift[:, None])
             rescale = tl.exp2(row_max - shift)
             row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, DOT_PRECISION)
             row_max = new_max
         if n_active == 1:
             out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -281,7 +293,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
 
 
 def _decode_attention_fake(q, k_cache, v_cache, starts, ends, scale, softcap, window):
-    return q.new_empty(q.shape, memory_format=torch.contiguous_format)
+    return q.new_empty(q.shape)
 
 
 DECODE_ATTENTION = FusedOp("decode_attention", _decode_attention_impl, fake=_decode_attention_fake)
