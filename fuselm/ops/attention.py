@@ -109,6 +109,21 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(row_block, kv_head, ROWS: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The first ROWS rows of a row block (row r = g * N_QUERIES + t is query t of q head kv_head * GROUP + g):
+    their index in the block, whether they exist, their q head and their query."""
+    local = tl.arange(0, ROWS)
+    rows = row_block * BLOCK_M + local
+    return local, rows < GROUP * N_QUERIES, kv_head * GROUP + rows // N_QUERIES, rows % N_QUERIES
+
+
+@triton.jit
+def _row_pointers(base, heads, queries, d, stride_h, stride_t, stride_d):
+    return base + heads[:, None].to(tl.int64) * stride_h + queries[:, None] * stride_t + d[None, :] * stride_d
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr, out_ptr, partial_out_ptr, partial_stats_ptr, tickets_ptr,
     scale, softcap, window, cache_len, n_splits,
@@ -116,19 +131,20 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
-    # (row r = g * N_QUERIES + t: query t of head kv_head * GROUP + g) of batch row b, and chunk `split` of
-    # the row's visible span [lo, hi). It reads its q rows once and each K and V position of its chunk
-    # once (nothing outside [lo, hi)). With one non-empty chunk it writes the output rows; with several, a
-    # fp32 partial (BLOCK_M maxima, sums and [BLOCK_M, D] outputs), and the last program of the (b, kv head,
-    # row block) to finish reads every partial back and writes the output rows. An empty chunk reads nothing.
+    # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
+    # q rows once and each K and V position of its chunk once (nothing outside [lo, hi)). With one non-empty
+    # chunk it writes the output rows; with several, an fp32 partial (per row: max, sum, unnormalised
+    # [D] output), and the last program of the (b, kv head, row block) to finish reads every partial back
+    # and writes the output rows. A program with an empty chunk reads nothing (split 0 of a row with
+    # nothing visible writes zeros).
     split = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     unit = b * tl.num_programs(1) + tl.program_id(1)  # (b, kv head, row block): its partials and ticket
     row_blocks = (GROUP * N_QUERIES + BLOCK_M - 1) // BLOCK_M
-    kv_head = tl.program_id(1) // row_blocks
+    kv_head, row_block = tl.program_id(1) // row_blocks, tl.program_id(1) % row_blocks
     start = tl.maximum(tl.load(starts_ptr + b).to(tl.int32), 0)
     end = tl.load(ends_ptr + b).to(tl.int32)
     hi = tl.minimum(end, cache_len)
@@ -139,22 +155,16 @@ def _decode_attention_kernel(
     chunk = tl.maximum(tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
     n_active = tl.cdiv(span, chunk)
 
-    rows = (tl.program_id(1) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP * N_QUERIES
-    heads = kv_head * GROUP + rows // N_QUERIES
-    query_pos = end - N_QUERIES + rows % N_QUERIES
+    local, row_ok, heads, queries = _query_rows(row_block, kv_head, BLOCK_M, GROUP, N_QUERIES, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    out_ptrs = (out_ptr + b * stride_ob + heads[:, None].to(tl.int64) * stride_oh
-                + (rows % N_QUERIES)[:, None] * stride_ot + d[None, :] * stride_od)
+    out_base = out_ptr + b * stride_ob
+    out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
     out_mask = row_ok[:, None] & d_ok[None, :]
-    stats_ptrs = partial_stats_ptr + (unit * n_splits + split) * 2 * BLOCK_M + tl.arange(0, BLOCK_M)
-    partial_ptrs = (partial_out_ptr + ((unit * n_splits + split) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_D
-                    + d[None, :])
-
     if split < n_active:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None].to(tl.int64) * stride_qh
-                    + (rows % N_QUERIES)[:, None] * stride_qt + d[None, :] * stride_qd, mask=out_mask, other=0.0)
+        q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
+                    mask=out_mask, other=0.0)
+        query_pos = end - N_QUERIES + queries
         row_lo = tl.full([BLOCK_M], 0, tl.int32) + start
         if HAS_WINDOW:
             row_lo = tl.maximum(row_lo, query_pos - window + 1)
@@ -190,39 +200,47 @@ def _decode_attention_kernel(
             out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
+            stats_ptrs = partial_stats_ptr + (unit * n_splits + split) * 2 * BLOCK_M + local
             tl.store(stats_ptrs, row_max, mask=row_ok)
             tl.store(stats_ptrs + BLOCK_M, row_sum, mask=row_ok)
-            tl.store(partial_ptrs, acc, mask=out_mask)
+            tl.store(partial_out_ptr + ((unit * n_splits + split) * BLOCK_M + local[:, None]) * BLOCK_D + d[None, :],
+                     acc, mask=out_mask)
             tl.debug_barrier()  # every thread's partial is written before the ticket releases it
             ticket = tl.atomic_add(tickets_ptr + unit, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
-                _combine_partials(partial_out_ptr, partial_stats_ptr, out_ptrs, out_mask, row_ok, d, unit, n_splits,
-                                  n_active, BLOCK_M, BLOCK_D, COMBINE_SPLITS)
+                _combine_partials(partial_out_ptr, partial_stats_ptr, out_base, unit, n_splits, n_active, row_block,
+                                  kv_head, stride_oh, stride_ot, stride_od, GROUP, N_QUERIES, HEAD_DIM, BLOCK_M,
+                                  BLOCK_D, COMBINE_ROWS, COMBINE_SPLITS)
                 tl.store(tickets_ptr + unit, 0)  # ready for the next launch
     elif split == 0:  # nothing visible in the whole row
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _combine_partials(partial_out_ptr, partial_stats_ptr, out_ptrs, out_mask, row_ok, d, unit, n_splits, n_active,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, COMBINE_SPLITS: tl.constexpr):
-    """Merges the n_active partials of ``unit`` (COMBINE_SPLITS at a time) into its output rows.
+def _combine_partials(partial_out_ptr, partial_stats_ptr, out_base, unit, n_splits, n_active, row_block, kv_head,
+                      stride_oh, stride_ot, stride_od, GROUP: tl.constexpr, N_QUERIES: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                      COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr):
+    """Merges the n_active partials of ``unit`` into its output rows, COMBINE_SPLITS partials of the
+    first COMBINE_ROWS rows (all the block's rows that exist) at a time.
 
     The partials were written by other programs, possibly on other SMs: they are read at L2 (.cg), past L1.
     """
-    m = tl.arange(0, BLOCK_M)
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    local, row_ok, heads, queries = _query_rows(row_block, kv_head, COMBINE_ROWS, GROUP, N_QUERIES, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    out_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    row_max = tl.full([COMBINE_ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([COMBINE_ROWS], tl.float32)
+    acc = tl.zeros([COMBINE_ROWS, BLOCK_D], tl.float32)
     for first in range(0, n_active, COMBINE_SPLITS):
-        splits = first + tl.arange(0, COMBINE_SPLITS)
-        stats_mask = (splits < n_active)[:, None] & row_ok[None, :]
-        stats = partial_stats_ptr + (unit * n_splits + splits[:, None]) * 2 * BLOCK_M + m[None, :]
+        splits = unit * n_splits + first + tl.arange(0, COMBINE_SPLITS)
+        stats_mask = (splits < unit * n_splits + n_active)[:, None] & row_ok[None, :]
+        stats = partial_stats_ptr + splits[:, None] * 2 * BLOCK_M + local[None, :]
         maxes = tl.load(stats, mask=stats_mask, other=float("-inf"), cache_modifier=".cg")  # [splits, rows]
         sums = tl.load(stats + BLOCK_M, mask=stats_mask, other=0.0, cache_modifier=".cg")
-        outs = tl.load(partial_out_ptr + (((unit * n_splits + splits[:, None, None]) * BLOCK_M + m[None, :, None])
-                                          * BLOCK_D + d[None, None, :]),
-                       mask=stats_mask[:, :, None] & out_mask[None, :, :], other=0.0, cache_modifier=".cg")
+        outs = tl.load(partial_out_ptr + (splits[:, None, None] * BLOCK_M + local[None, :, None]) * BLOCK_D
+                       + d[None, None, :], mask=stats_mask[:, :, None] & out_mask[None, :, :], other=0.0,
+                       cache_modifier=".cg")
         new_max = tl.maximum(row_max, tl.max(maxes, axis=0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp2(row_max - shift)
@@ -231,6 +249,7 @@ def _combine_partials(partial_out_ptr, partial_stats_ptr, out_ptrs, out_mask, ro
         acc = acc * rescale[:, None] + tl.sum(outs * weights[:, :, None], axis=0)
         row_max = new_max
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
@@ -276,6 +295,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     group = n_heads // n_kv_heads
     block_m, block_d = _row_block(group * n_queries, head_dim), triton.next_power_of_2(head_dim)
     row_blocks = triton.cdiv(group * n_queries, block_m)
+    combine_rows = min(block_m, triton.next_power_of_2(group * n_queries))  # the rows of a block that exist
     n_splits = _num_splits(batch, n_kv_heads, row_blocks, cache_len, sm_count(q.device))
     units = batch * n_kv_heads * row_blocks
     # workspace (static shape): per (unit, split) BLOCK_M maxima and sums, and a [BLOCK_M, BLOCK_D] output
@@ -287,7 +307,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
         scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
-        COMBINE_SPLITS=max(1, TILE_ELEMENTS // (block_m * block_d)),
+        COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, TILE_ELEMENTS // (combine_rows * block_d)),
     )
     return out
 
