@@ -50,6 +50,13 @@ _WIDEN_BF16_DOT = tl.constexpr(INTERPRETING)
 
 
 # ----------------------------------------------------------------------------------- reference
+def _new_output_for(q: Tensor, allocate) -> Tensor:
+    """[B, Hq, T, D] output for q in [B, T, Hq, D] memory (o_proj reads it as [B, T, Hq * D] without a copy);
+    ``allocate(shape, dtype, device)`` is torch.empty, torch.zeros or new_output."""
+    batch, n_heads, n_queries, head_dim = q.shape
+    return allocate((batch, n_queries, n_heads, head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, ends: Tensor,
                                scale: float, softcap: float = 0.0, window: int = 0) -> Tensor:
     """Plain PyTorch decode attention (the fallback). Shapes and semantics as :func:`decode_attention`.
@@ -62,7 +69,7 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, star
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
     if cache_len == 0:
-        return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        return _new_output_for(q, torch.zeros)
     work = torch.promote_types(q.dtype, torch.float32)
     positions = torch.arange(cache_len, device=q.device)
     query_positions = ends.long()[:, None] - n_queries + torch.arange(n_queries, device=q.device)  # [B, T]
@@ -82,7 +89,8 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, star
     weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))  # 0 where masked
     total = weights.sum(dim=-1, keepdim=True)
     weights = (weights / torch.where(total > 0, total, 1.0)).view(batch, n_kv_heads, group * n_queries, cache_len)
-    return (weights @ values).view(batch, n_heads, n_queries, head_dim).to(q.dtype)
+    out = (weights @ values).view(batch, n_heads, n_queries, head_dim)
+    return _new_output_for(q, torch.empty).copy_(out)
 
 
 # ----------------------------------------------------------------------------------- kernel
@@ -289,7 +297,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
                            softcap: float, window: int) -> Tensor:
     batch, n_heads, n_queries, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
-    out = new_output((batch, n_heads, n_queries, head_dim), q.dtype, q.device)
+    out = _new_output_for(q, new_output)
     if out.numel() == 0:
         return out
     group = n_heads // n_kv_heads
@@ -313,7 +321,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
 
 
 def _decode_attention_fake(q, k_cache, v_cache, starts, ends, scale, softcap, window):
-    return q.new_empty(q.shape)
+    return _new_output_for(q, torch.empty)
 
 
 DECODE_ATTENTION = FusedOp("decode_attention", _decode_attention_impl, fake=_decode_attention_fake)
@@ -374,7 +382,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor
         window: 0 = off; else a query at position p sees only positions > p - window (HF's sliding window).
 
     Returns:
-        [B, Hq, T, D] in q's dtype, contiguous, accumulated in fp32. A query with no visible position
+        [B, Hq, T, D] in q's dtype, accumulated in fp32: a transposed view of [B, T, Hq, D] memory, so that
+        ``out.transpose(1, 2).reshape(B, T, Hq * D)`` (o_proj's input) is free (for T = 1 it is contiguous). A query with no visible position
         (e.g. a row with ends <= starts) gets zeros. No gradient flows through the Triton path: with grad
         mode on and an input requiring grad, the PyTorch reference runs.
     """
