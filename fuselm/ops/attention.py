@@ -19,7 +19,9 @@ when the row is long, and a program whose chunk is empty reads nothing and exits
 the same launch: each writes its fp32 partial (running max, sum, unnormalised output) to a workspace,
 takes a ticket from a per-(row, kv head) counter, and the last one to finish merges the partials, writes
 the output and resets the counter to zero. Nothing depends on the lengths' values on the host: the
-launch can be captured in a CUDA graph and replayed with new starts/ends in the same tensors.
+launch can be captured in a CUDA graph and replayed with new starts/ends in the same tensors. The counters
+are one buffer per device, allocated on first use (before capture) and shared by every launch: launches
+running concurrently on two streams would race on them.
 """
 
 from __future__ import annotations
