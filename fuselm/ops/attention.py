@@ -280,18 +280,21 @@ def _num_splits(batch: int, n_kv_heads: int, row_blocks: int, cache_len: int, sm
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(cache_len, MIN_SPLIT_POSITIONS)))
 
 
-_tickets: dict[torch.device, Tensor] = {}  # per device: int32 counters, zero between launches
+# Per device, int32 counters that are zero between launches; the last buffer is the one in use. A buffer
+# outgrown is kept: a CUDA graph captured with it still writes it on replay.
+_tickets: dict[torch.device, list[Tensor]] = {}
 
 
 def _tickets_for(device: torch.device, count: int) -> Tensor:
-    """``count`` zeroed int32 counters. Every launch leaves its counters at zero, so one buffer per device
-    serves all launches on a stream. First use allocates it (do it before CUDA-graph capture; during a
-    capture a too-small buffer is replaced, for that call only, by a zeroed one the graph owns)."""
-    tickets = _tickets.get(device)
-    if tickets is None or tickets.numel() < count:
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _tickets[device] = tickets
+    """At least ``count`` zeroed int32 counters. Every launch leaves its counters at zero, so one buffer per
+    device serves all launches. First use allocates it (do it before CUDA-graph capture; during a capture a
+    too-small buffer is replaced, for that call only, by a zeroed one the graph owns)."""
+    buffers = _tickets.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= count:
+        return buffers[-1]
+    tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buffers.append(tickets)
     return tickets
 
 
