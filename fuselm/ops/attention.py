@@ -105,7 +105,7 @@ def _prune_by_shared_memory(configs, named_args, **kwargs):
 
 _CONFIGS = [  # positions per K/V tile, warps, pipeline stages; the first is the one the interpreter runs
     triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-    for n, w, s in [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
+    for n, w, s in [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
 ]
 
 

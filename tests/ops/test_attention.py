@@ -169,6 +169,36 @@ def test_the_split_count_depends_on_static_shapes_only():
     assert attention._num_splits(1, 1, 1, 10**6, 10**4) == attention.MAX_SPLITS
 
 
+@pytest.mark.parametrize("window", [0, 5, 100])
+def test_matches_hf_gemma2_eager_attention(path, window):
+    """HF's own mask functions (sliding window, causal, left padding) and Gemma 2's eager attention (soft-cap
+    after the scale) agree with decode_attention for a T = 3 step over a left-padded batch."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    case = Case(8, 2, 3, 64, 40, (0, 6), (40, 31), softcap=20.0, window=window)
+    q, k_cache, v_cache, starts, ends = (t.nan_to_num() for t in make_inputs(case, torch.float32))
+    mask_function = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    kv_idx = torch.arange(case.cache_len)[None, :]
+    masks = [mask_function(b, 0, int(ends[b]) - 3 + torch.arange(3)[:, None], kv_idx) & (kv_idx >= int(starts[b]))
+             for b in range(2)]
+    additive = torch.where(torch.stack(masks)[:, None], 0.0, torch.finfo(torch.float32).min).to(DEVICE)
+    module = type("Attention", (), {"num_key_value_groups": 4, "training": False})()
+    expected, _ = eager_attention_forward(module, q, k_cache, v_cache, additive, scaling=0.125, softcap=20.0)
+    out = fuselm.decode_attention(q, k_cache, v_cache, starts, ends, scale=0.125, softcap=20.0, window=window)
+    assert_close(out.transpose(1, 2), expected, torch.float32)
+
+
+def test_configs_that_overflow_shared_memory_are_pruned():
+    k_bf16, k_fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.float32)
+    for k_ptr, block_d in ((k_bf16, 128), (k_bf16, 256), (k_fp32, 128)):
+        kept = attention._prune_by_shared_memory(attention._CONFIGS, {"k_ptr": k_ptr}, BLOCK_D=block_d)
+        assert kept and all(c.num_stages * c.kwargs["BLOCK_N"] * 2 * block_d * k_ptr.element_size()
+                            <= attention.SHARED_MEMORY_BUDGET for c in kept)
+    assert len(attention._prune_by_shared_memory(attention._CONFIGS, {"k_ptr": k_bf16}, BLOCK_D=128)) == len(
+        attention._CONFIGS)  # Llama's head_dim in bf16 keeps them all
+
+
 def test_reference_zeroes_garbage_outside_the_rows(path):
     """An uninitialised cache (NaN, inf) outside the visible positions never reaches the output."""
     case = CASES["empty-rows"]
