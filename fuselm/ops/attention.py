@@ -388,9 +388,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor
 
     Returns:
         [B, Hq, T, D] in q's dtype, accumulated in fp32: a transposed view of [B, T, Hq, D] memory, so that
-        ``out.transpose(1, 2).reshape(B, T, Hq * D)`` (o_proj's input) is free (for T = 1 it is contiguous). A query with no visible position
-        (e.g. a row with ends <= starts) gets zeros. No gradient flows through the Triton path: with grad
-        mode on and an input requiring grad, the PyTorch reference runs.
+        ``out.transpose(1, 2).reshape(B, T, Hq * D)`` (o_proj's input) is free (for T = 1 it is contiguous).
+        A query with no visible position (e.g. a row with ends <= starts) gets zeros. No gradient flows
+        through the Triton path: with grad mode on and an input requiring grad, the PyTorch reference runs.
     """
     _check_args(q, k_cache, v_cache, starts, ends, softcap, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
