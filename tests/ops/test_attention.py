@@ -300,14 +300,17 @@ def test_cuda_graph_replays_with_new_lengths():
     case = Case(16, 4, 3, 128, 2048, (0, 0, 0), (2048, 2048, 2048), softcap=50.0, window=1500)
     q, k_cache, v_cache, starts, ends = make_inputs(case, torch.bfloat16, "cuda")
     k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()  # new lengths read other positions
+
+    def step():
+        return fuselm.decode_attention(q, k_cache, v_cache, starts, ends, softcap=50.0, window=1500)
+
     with fuselm.use_backend("triton"):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compilation and autotuning, outside the capture
-            step = lambda: fuselm.decode_attention(q, k_cache, v_cache, starts, ends, softcap=50.0,  # noqa: E731
-                                                   window=1500)
             step()
         torch.cuda.current_stream().wait_stream(side)
+        tuned = dict(attention._decode_attention.cache)  # autotuner keys: static shapes only
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = step()
@@ -321,3 +324,4 @@ def test_cuda_graph_replays_with_new_lengths():
             assert torch.equal(captured, eager)
             expected = float64_oracle(q, k_cache, v_cache, starts, ends, 128 ** -0.5, 50.0, 1500)
             assert_close(captured, expected, torch.bfloat16)
+        assert attention._decode_attention.cache == tuned  # new lengths never re-tuned
