@@ -228,6 +228,13 @@ def test_empty_batch_and_empty_cache(path):
     assert torch.equal(fuselm.decode_attention(q, k_cache, k_cache, zero, zero), torch.zeros_like(q))
 
 
+def test_triton_path_appears_in_profile():
+    q, k_cache, v_cache, starts, ends = make_inputs(CASES["one-split"], torch.float32)
+    with fuselm.use_backend("triton"), torch.profiler.profile() as prof:
+        fuselm.decode_attention(q, k_cache, v_cache, starts, ends)
+    assert "fuselm::decode_attention" in {e.key for e in prof.key_averages()}
+
+
 def test_compiles_without_graph_breaks():
     case = CASES["ratio4-len1-one-split-full"]
     q, k_cache, v_cache, starts, ends = make_inputs(case, torch.float32)
