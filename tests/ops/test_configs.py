@@ -11,7 +11,7 @@ import torch
 
 import fuselm
 from fuselm.backend import INTERPRETING
-from fuselm.ops import glu, rms_norm, rope
+from fuselm.ops import attention, glu, rms_norm, rope
 from fuselm.ops._common import forced_config
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
 from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
@@ -19,6 +19,7 @@ from fuselm.ops.rope import rope_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_close, float64_leaf, grads
 from tests.helpers import randn as randn_on
+from tests.ops.test_attention import check_every_path as _check_decode_attention
 
 def randn(*shape, **options):
     return randn_on(*shape, device=DEVICE, **options)
@@ -97,6 +98,7 @@ FAMILIES = [  # (name, the kernel whose configs are forced, a check that runs it
     ("rope_inplace", rope._rope_in_place, lambda: _check_rope(inplace=True)),
     ("glu_fwd", glu._glu_fwd_kernel, _check_glu),
     ("glu_bwd", glu._glu_bwd_kernel, _check_glu),
+    ("decode_attention", attention._decode_attention, _check_decode_attention),
 ]
 
 

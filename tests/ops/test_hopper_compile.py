@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the launches below
     "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dweight_sum_kernel", "_rope_kernel", "_glu_fwd_kernel",
     "_glu_bwd_kernel", "_cross_entropy_partials_kernel", "_cross_entropy_finish_kernel", "_cross_entropy_bwd_kernel",
-    "_scale_kernel"}
+    "_scale_kernel", "_decode_attention_kernel"}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.int64: "i64", torch.int32: "i32"}
 
