@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, LogitsProcessor, LogitsProcessorList, PreTrainedConfig, StaticCache
 
 import fuselm
-from fuselm.generate import FusedKVCache
+from fuselm.generation import FusedKVCache
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
 from tests.patching.tiny_models import FAMILIES, tiny_model, token_ids
