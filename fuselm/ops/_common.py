@@ -13,6 +13,34 @@ from torch._subclasses.fake_tensor import is_fake
 from fuselm.backend import INTERPRETING
 
 
+def _fix_interpreter_loop_bounds() -> None:
+    """Under TRITON_INTERPRET=1 with triton < 3.7, let ``for`` loops take runtime bounds again with numpy >= 2.4.
+
+    The interpreter holds every scalar as a 1-element array, and its ``tl.tensor.__index__`` (which
+    Python's ``range`` calls on each bound) does ``int(array)``: numpy 2.4 refuses that for arrays of
+    rank > 0, so each loop over a runtime bound (the vocabulary loops of cross-entropy, the persistent
+    RMSNorm backward, ...) failed with "only 0-dimensional arrays can be converted to Python scalars".
+    Triton 3.7 takes the array's element instead; this does the same for the older interpreters.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: every op runs its reference
+        return
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 7):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, *args):
+        patch_lang_tensor(tensor, *args)  # its scope restores the class's own __index__ after the launch
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(()))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+if INTERPRETING:
+    _fix_interpreter_loop_bounds()
+
+
 def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = None) -> torch.Tensor:
     """A floating-point tensor of the given rank, or a TypeError/ValueError naming ``name``."""
     if not isinstance(t, torch.Tensor):
