@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 
 import fuselm
+from fuselm.backend import INTERPRETING
 from fuselm.ops.glu import GLU
 from fuselm.ops.rms_norm import ADD_RMS_NORM
-from fuselm.backend import INTERPRETING
 from tests.helpers import grads, randn
 
 
