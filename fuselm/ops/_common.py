@@ -54,6 +54,14 @@ def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = 
     return t
 
 
+def check_real(name: str, value: object) -> float:
+    """A Python int or float, as a float, or a TypeError naming ``name``. Tensors are refused: the kernels
+    take these values as launch arguments, and reading one from a device tensor would sync with the host."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float (or int), got {type(value).__name__}")
+    return float(value)
+
+
 def check_same(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     """Every tensor in ``others`` is on ``reference``'s device and has its dtype."""
     for name, t in others.items():
