@@ -1,3 +1,4 @@
+import math
 import os
 import subprocess
 import sys
@@ -274,6 +275,34 @@ def test_empty_batch(path, device):
     loss = fuselm.linear_cross_entropy(hidden, weight, labels, reduction="sum")
     dhidden, dweight = grads(loss, (hidden, weight), None)
     assert loss == 0 and dhidden.shape == (0, 16) and torch.all(dweight == 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_hidden_size_zero(path, device, bias, reduction):
+    """H = 0: every logit is 0 (or the bias alone), so a non-ignored token's loss is log V (or
+    logsumexp(bias) - bias[label]); d hidden and d weight are empty, d bias is softmax(bias) - onehot."""
+    vocab = 37
+    hidden = randn(2, 3, 0, device=device, requires_grad=True)
+    weight = randn(vocab, 0, device=device, requires_grad=True)
+    b = randn(vocab, device=device, requires_grad=True) if bias else None
+    labels = _labels(vocab, device, n=6).view(2, 3)
+    loss = fuselm.linear_cross_entropy(hidden, weight, labels, b, reduction=reduction)
+    upstream = _upstream(loss)
+    got = grads(loss, (hidden, weight, b) if bias else (hidden, weight), upstream)
+    assert got[0].shape == hidden.shape and got[1].shape == weight.shape
+    b64 = float64_leaf(b) if bias else torch.zeros(vocab, dtype=torch.float64, device=device)
+    loss64 = cross_entropy_reference(b64.expand(6, vocab), labels.view(-1), reduction=reduction)
+    if reduction == "none":
+        loss64 = loss64.view(2, 3)
+    assert_close(loss, loss64, torch.float32, "loss")
+    if bias:
+        assert_close(got[2], grads(loss64, (b64,), upstream.double())[0], torch.float32, "dbias")
+    else:
+        valid = labels != -100
+        log_v = torch.full(labels.shape, math.log(vocab), dtype=torch.float64, device=device)
+        expected = log_v.where(valid, 0.0) if reduction == "none" else log_v[valid].mean()
+        assert_close(loss, expected, torch.float32, "loss = log V")
 
 
 def test_return_z_loss(path, device):
