@@ -625,12 +625,21 @@ def test_gpu_more_than_2_31_logits():
     assert_close(dlogits[tail], grads(loss64, (tail64,), torch.ones_like(loss64))[0], torch.bfloat16)
 
 
-def test_second_backward_through_the_same_graph_is_refused(path, device):
-    """The gradients are computed in the forward and scaled in place by the first backward."""
+def test_second_backward_through_the_same_graph(path, device):
+    """Triton computes the gradients in the forward and the first backward scales them in place, so a
+    second (retain_graph) backward is refused and leaves the gradients alone. The reference keeps
+    autograd's own graph: a second backward adds the same gradients again."""
     hidden, weight, _ = _linear_inputs(16, 37, False, torch.float32, device, n=5)
     labels = _labels(37, device, n=5)
     loss = fuselm.linear_cross_entropy(hidden, weight, labels)
     loss.backward(retain_graph=True)
+    first = hidden.grad.clone(), weight.grad.clone()
+    assert first[0].abs().sum() > 0 and first[1].abs().sum() > 0
     if path == "triton":
         with pytest.raises(RuntimeError, match="backward ran twice"):
             loss.backward()
+        expected = first
+    else:
+        loss.backward()
+        expected = 2 * first[0], 2 * first[1]
+    assert torch.equal(hidden.grad, expected[0]) and torch.equal(weight.grad, expected[1])
