@@ -11,17 +11,19 @@ overridden for one block of code by :func:`use_backend`:
 
 Names are case-insensitive and may carry surrounding blanks, in the environment variable and in the
 functions alike. Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, which
-every thread sees; ``use_backend`` overrides it in the current context only (a ``contextvars``
-context: this thread, or this asyncio task), so two threads can run under different backends at once.
-A thread started inside a ``use_backend`` block starts from the process default, as new threads start
-from a fresh context (asyncio tasks, which copy their creator's context, keep the override).
+every thread sees; :func:`use_backend` overrides it for the current thread only, so two threads can
+run under different backends at once. A thread started inside a ``use_backend`` block sees the
+process default, not the block's backend; asyncio tasks of one thread share that thread's override.
+(The override is a ``threading.local``, not a ``contextvars.ContextVar``: torch.compile cannot trace
+``ContextVar.get``, while it reads a thread-local attribute and guards on its value, so a compiled
+function recompiles for another backend instead of keeping the one it was traced under.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -42,12 +44,12 @@ def _validated(name: object) -> str:
 
 
 _default = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")  # the process-wide backend
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("fuselm_backend_override", default=None)
+_thread = threading.local()  # .override: this thread's use_backend backend, absent or None outside any block
 
 
 def get_backend() -> str:
-    """The backend in force here: this context's :func:`use_backend` override, else the process default."""
-    return _override.get() or _default
+    """The backend in force in this thread: its :func:`use_backend` override, else the process default."""
+    return getattr(_thread, "override", None) or _default
 
 
 def set_backend(name: str) -> None:
@@ -63,13 +65,13 @@ def set_backend(name: str) -> None:
 def use_backend(name: str) -> Iterator[None]:
     """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``.
 
-    The override holds for the current thread (or asyncio task) only; other threads keep theirs.
+    The override holds in the current thread only; other threads keep theirs. Blocks nest.
     """
-    token = _override.set(_validated(name))
+    outer, _thread.override = getattr(_thread, "override", None), _validated(name)
     try:
         yield
     finally:
-        _override.reset(token)
+        _thread.override = outer
 
 
 def runs_triton(*tensors: torch.Tensor) -> bool:
@@ -78,7 +80,7 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
     The first tensor decides (the callers have already checked that all share device and dtype).
     """
     x = tensors[0]
-    backend = _override.get() or _default
+    backend = getattr(_thread, "override", None) or _default
     if backend == "reference":
         return False
     if backend == "auto":

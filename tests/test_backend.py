@@ -1,4 +1,5 @@
-"""The backend switch: one name normalisation, a process-wide default, per-thread overrides."""
+"""The backend switch: one name normalisation, a process-wide default, per-thread overrides that
+torch.compile guards on."""
 
 import os
 import subprocess
@@ -87,3 +88,23 @@ def test_set_backend_inside_a_block_changes_the_default_once_the_block_exits(res
         fuselm.set_backend("triton")
         assert fuselm.get_backend() == "reference"
     assert fuselm.get_backend() == "triton"
+
+
+def test_compiled_code_follows_the_backend_it_is_called_under(device, restore_default):
+    """torch.compile guards on the thread's override and the default: a function traced under one
+    backend is traced again under another, not run with the first one's path."""
+    compiled = torch.compile(lambda x: x + 1 if backend.runs_triton(x) else x - 1, fullgraph=True, backend="eager")
+    x = torch.zeros(1, device=device)
+    fuselm.set_backend("reference")
+    assert compiled(x).item() == -1
+    fuselm.set_backend("triton")
+    assert compiled(x).item() == 1
+    seen = []
+    with fuselm.use_backend("reference"):
+        assert compiled(x).item() == -1
+        thread = threading.Thread(target=lambda: seen.append(compiled(x).item()))
+        thread.start()
+        thread.join()
+        with fuselm.use_backend("triton"):
+            assert compiled(x).item() == 1
+    assert seen == [1]  # the process default's path, not the creating thread's override
