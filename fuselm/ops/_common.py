@@ -14,19 +14,21 @@ from fuselm.backend import INTERPRETING
 
 
 def _fix_interpreter_loop_bounds() -> None:
-    """Under TRITON_INTERPRET=1 with triton < 3.7, let ``for`` loops take runtime bounds again with numpy >= 2.4.
+    """Makes kernel loops over runtime bounds work in the interpreter of triton < 3.7 with numpy >= 2.4.
 
-    The interpreter holds every scalar as a 1-element array, and its ``tl.tensor.__index__`` (which
+    That interpreter holds every scalar as a 1-element array, and its ``tl.tensor.__index__`` (which
     Python's ``range`` calls on each bound) does ``int(array)``: numpy 2.4 refuses that for arrays of
-    rank > 0, so each loop over a runtime bound (the vocabulary loops of cross-entropy, the persistent
-    RMSNorm backward, ...) failed with "only 0-dimensional arrays can be converted to Python scalars".
-    Triton 3.7 takes the array's element instead; this does the same for the older interpreters.
+    rank > 0 (older numpy warns), so each loop over a runtime bound (the vocabulary loops of
+    cross-entropy, the persistent RMSNorm backward, ...) failed with "only 0-dimensional arrays can be
+    converted to Python scalars". Triton 3.7 takes the array's element instead; so does this, for the
+    older interpreters. It goes once triton >= 3.7 is the floor.
     """
     try:
+        from triton import __version__ as triton_version
         from triton.runtime import interpreter
     except ImportError:  # no triton: every op runs its reference
         return
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 7):
+    if tuple(int(part) for part in triton_version.split(".")[:2]) >= (3, 7):
         return
     patch_lang_tensor = interpreter._patch_lang_tensor
 
