@@ -1,18 +1,29 @@
 """Which implementation an op runs: the fused Triton kernel or the PyTorch reference.
 
-One rule for every op, chosen by ``FUSELM_BACKEND`` (read at import) or :func:`set_backend`:
+One rule for every op, chosen by ``FUSELM_BACKEND`` (read at import) or :func:`set_backend`, and
+overridden for one block of code by :func:`use_backend`:
 
 - ``auto`` (default): CUDA tensors of a supported dtype run Triton; everything else (CPU, MPS,
   float64, ...) runs the PyTorch reference, silently and correctly.
 - ``reference``: the PyTorch reference everywhere. Use it to check a model with fused kernels off.
 - ``triton``: Triton everywhere. CPU tensors need ``TRITON_INTERPRET=1`` set before fuselm is
   imported; the kernels then run in Triton's interpreter (slow; how CPU-only CI checks them).
+
+Names are case-insensitive and may carry surrounding blanks, in the environment variable and in the
+functions alike. Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, which
+every thread sees; :func:`use_backend` overrides it for the current thread only, so two threads can
+run under different backends at once. A thread started inside a ``use_backend`` block sees the
+process default, not the block's backend; asyncio tasks of one thread share that thread's override.
+(The override is a ``threading.local``, not a ``contextvars.ContextVar``: torch.compile cannot trace
+``ContextVar.get``, while it reads a thread-local attribute and guards on its value, so a compiled
+function recompiles for another backend instead of keeping the one it was traced under.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -22,35 +33,45 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _validated(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"FUSELM_BACKEND / backend must be one of {BACKENDS}, got {name!r}")
-    return name
+def _validated(name: object) -> str:
+    """``name`` normalised (blanks stripped, lower case) and checked against :data:`BACKENDS`."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
+    normalised = name.strip().lower()
+    if normalised not in BACKENDS:
+        raise ValueError(f"FUSELM_BACKEND / backend must be one of {BACKENDS} (any case), got {name!r}")
+    return normalised
 
 
-_backend = _validated(os.environ.get("FUSELM_BACKEND", "auto").strip().lower() or "auto")
+_default = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")  # the process-wide backend
+_thread = threading.local()  # .override: this thread's use_backend backend, absent or None outside any block
 
 
 def get_backend() -> str:
-    """The backend in force: 'auto', 'triton' or 'reference'."""
-    return _backend
+    """The backend in force in this thread: its :func:`use_backend` override, else the process default."""
+    return getattr(_thread, "override", None) or _default
 
 
 def set_backend(name: str) -> None:
-    """Set the backend for every op in this process (overrides ``FUSELM_BACKEND``)."""
-    global _backend
-    _backend = _validated(name)
+    """Set the process-wide default backend (overrides ``FUSELM_BACKEND``), seen by every thread.
+
+    An active :func:`use_backend` block keeps its own backend until it exits.
+    """
+    global _default
+    _default = _validated(name)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``."""
-    previous = get_backend()
-    set_backend(name)
+    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``.
+
+    The override holds in the current thread only; other threads keep theirs. Blocks nest.
+    """
+    outer, _thread.override = getattr(_thread, "override", None), _validated(name)
     try:
         yield
     finally:
-        set_backend(previous)
+        _thread.override = outer
 
 
 def runs_triton(*tensors: torch.Tensor) -> bool:
@@ -59,9 +80,10 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
     The first tensor decides (the callers have already checked that all share device and dtype).
     """
     x = tensors[0]
-    if _backend == "reference":
+    backend = getattr(_thread, "override", None) or _default
+    if backend == "reference":
         return False
-    if _backend == "auto":
+    if backend == "auto":
         return x.is_cuda and x.dtype in TRITON_DTYPES
     if x.dtype not in TRITON_DTYPES:
         raise TypeError(
@@ -79,7 +101,8 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
 def path_name(device: torch.device | str) -> str:
     """Human-readable name of the path ops take for tensors on ``device`` (used by the demo)."""
     device = torch.device(device)
-    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
+    backend = get_backend()
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return f"PyTorch reference on {device.type}"
     if device.type == "cuda":
         return f"Triton on {torch.cuda.get_device_name(device)}"

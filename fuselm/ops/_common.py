@@ -13,6 +13,36 @@ from torch._subclasses.fake_tensor import is_fake
 from fuselm.backend import INTERPRETING
 
 
+def _fix_interpreter_loop_bounds() -> None:
+    """Makes kernel loops over runtime bounds work in the interpreter of triton < 3.7 with numpy >= 2.4.
+
+    That interpreter holds every scalar as a 1-element array, and its ``tl.tensor.__index__`` (which
+    Python's ``range`` calls on each bound) does ``int(array)``: numpy 2.4 refuses that for arrays of
+    rank > 0 (older numpy warns), so each loop over a runtime bound (the vocabulary loops of
+    cross-entropy, the persistent RMSNorm backward, ...) failed with "only 0-dimensional arrays can be
+    converted to Python scalars". Triton 3.7 takes the array's element instead; so does this, for the
+    older interpreters. It goes once triton >= 3.7 is the floor.
+    """
+    try:
+        from triton import __version__ as triton_version
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: every op runs its reference
+        return
+    if tuple(int(part) for part in triton_version.split(".")[:2]) >= (3, 7):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, *args):
+        patch_lang_tensor(tensor, *args)  # its scope restores the class's own __index__ after the launch
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(()))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+if INTERPRETING:
+    _fix_interpreter_loop_bounds()
+
+
 def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = None) -> torch.Tensor:
     """A floating-point tensor of the given rank, or a TypeError/ValueError naming ``name``."""
     if not isinstance(t, torch.Tensor):
@@ -24,6 +54,14 @@ def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = 
     if t.dim() < min_rank:
         raise ValueError(f"{name} must have rank >= {min_rank}, got shape {tuple(t.shape)}")
     return t
+
+
+def check_real(name: str, value: object) -> float:
+    """A Python int or float, as a float, or a TypeError naming ``name``. Tensors are refused: the kernels
+    take these values as launch arguments, and reading one from a device tensor would sync with the host."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float (or int), got {type(value).__name__}")
+    return float(value)
 
 
 def check_same(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, check_same, check_tensor, new_output, sm_count
+from fuselm.ops._common import FusedOp, as_rows, check_real, check_same, check_tensor, new_output, sm_count
 
 REDUCTIONS = ("mean", "sum", "none")
 # Launch shape of the row kernels, from a sweep on the H200 (benchmarks/NOTES.md): 2048-column
@@ -69,7 +69,7 @@ def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int
                             return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Plain PyTorch cross-entropy (the fallback and the test oracle). Arguments as :func:`cross_entropy`."""
     _check_cross_entropy_args(logits, labels)
-    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
     rows, lse = _reference_rows(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index,
                                 label_smoothing, softcap, z_loss)
     return _finish(rows, lse, labels, ignore_index, reduction, z_loss, num_items, return_z_loss)
@@ -156,6 +156,13 @@ def _store_segment_grad(src_ptr, dst_ptr, start, end, label, lse, scale, n_cols,
 
 
 @triton.jit
+def _row_scale(upstream, valid, in_range):
+    """What a row's d(loss)/d(logits) is multiplied by: the upstream gradient; 0 for an ignored row; NaN
+    for a bad label (outside [0, V), not ignore_index), so every gradient that row reaches shows it."""
+    return tl.where(valid, tl.where(in_range, upstream, float("nan")), 0.0)
+
+
+@triton.jit
 def _cross_entropy_partials_kernel(
     logits_ptr, labels_ptr, partials_ptr, z_label_ptr,
     n_cols, segment_cols, stride_logits, softcap,
@@ -206,8 +213,10 @@ def _cross_entropy_finish_kernel(
     lse = shift + tl.log(exp_sum)
     label = tl.load(labels_ptr + row).to(tl.int64)
     valid = label != ignore_index
+    in_range = (label >= 0) & (label < n_cols)
     if segment == 0:
-        in_range = (label >= 0) & (label < n_cols)
+        tl.device_assert(in_range | ~valid, "cross_entropy: a label is outside [0, vocabulary size) and is not "
+                                            "ignore_index")
         z_label = tl.load(z_label_ptr + row, mask=valid & in_range, other=0.0)
         z_sum = tl.sum(tl.load(partials + 2 * n_segments, mask=segment_ok, other=0.0), axis=0)
         # eps = 0 must not turn -inf logits (z_sum = -inf) into 0 * inf = NaN
@@ -220,7 +229,7 @@ def _cross_entropy_finish_kernel(
         scale = 1.0
         if HAS_SCALE:
             scale = tl.load(scale_ptr + row * stride_scale)
-        scale = tl.where(valid, scale, 0.0)
+        scale = _row_scale(scale, valid, in_range)
         start = segment.to(tl.int64) * segment_cols
         row_ptr = logits_ptr + row * stride_logits
         _store_segment_grad(row_ptr, row_ptr, start, tl.minimum(start + segment_cols, n_cols), label, lse, scale,
@@ -239,7 +248,8 @@ def _cross_entropy_bwd_kernel(
     start = tl.program_id(1).to(tl.int64) * segment_cols
     label = tl.load(labels_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
-    scale = tl.where(label != ignore_index, tl.load(grad_ptr + row * stride_grad).to(tl.float32), 0.0)
+    scale = _row_scale(tl.load(grad_ptr + row * stride_grad).to(tl.float32), label != ignore_index,
+                       (label >= 0) & (label < n_cols))
     _store_segment_grad(logits_ptr + row * stride_logits, dlogits_ptr + row * stride_dlogits, start,
                         tl.minimum(start + segment_cols, n_cols), label, lse, scale, n_cols, label_smoothing, softcap,
                         z_loss, HAS_SOFTCAP, BLOCK_V)
@@ -512,7 +522,10 @@ LINEAR_CROSS_ENTROPY = FusedOp("linear_cross_entropy", _linear_cross_entropy_imp
 
 # ----------------------------------------------------------------------------------- public API
 def _check_options(reduction: str, label_smoothing: float, softcap: float | None, z_loss: float,
-                   num_items: int | Tensor | None) -> None:
+                   num_items: int | Tensor | None) -> tuple[float, float | None, float]:
+    """Checks the options; returns (label_smoothing, softcap, z_loss) as floats (softcap may be None)."""
+    label_smoothing, z_loss = check_real("label_smoothing", label_smoothing), check_real("z_loss", z_loss)
+    softcap = None if softcap is None else check_real("softcap", softcap)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -521,8 +534,12 @@ def _check_options(reduction: str, label_smoothing: float, softcap: float | None
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
     if not 0.0 <= z_loss < float("inf"):
         raise ValueError(f"z_loss must be a non-negative finite number, got {z_loss}")
-    if num_items is None:
-        return
+    if num_items is not None:
+        _check_num_items(num_items, reduction)
+    return label_smoothing, softcap, z_loss
+
+
+def _check_num_items(num_items: int | Tensor, reduction: str) -> None:
     if reduction != "mean":
         raise ValueError(f"num_items divides the 'mean' reduction only, but reduction is {reduction!r}")
     if isinstance(num_items, Tensor):
@@ -613,6 +630,9 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, r
     Args:
         logits: [..., V], fp32/fp16/bf16 (any dtype on the reference path), any strides. Not modified.
         labels: [...] integer (int64 as HF passes them), same device; ``ignore_index`` marks ignored tokens.
+            A label outside [0, V) that is not ignore_index: IndexError on the reference path; on the
+            Triton path (which never syncs with the host) a NaN loss and NaN in every gradient that
+            token reaches, and a failed ``tl.device_assert`` when run with ``TRITON_DEBUG=1``.
         ignore_index: label value whose tokens contribute nothing.
         reduction: ``"mean"`` (sum / count of non-ignored tokens, or / num_items; NaN when every token
             is ignored and num_items is None, as F.cross_entropy), ``"sum"``, or ``"none"``.
@@ -621,13 +641,14 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, r
         z_loss: adds ``z_loss * logsumexp(logits)^2`` per non-ignored token.
         num_items: "mean" only: divide by this (int, or 0-dim tensor: HF's num_items_in_batch) instead.
         return_z_loss: also return the z-loss part, reduced the same way, without gradient (logging).
+        label_smoothing, softcap and z_loss are Python floats (or ints), never tensors.
 
     Returns:
         fp32 loss: 0-dim for "mean"/"sum", [...] for "none" (0 at ignored tokens); with
         ``return_z_loss``, ``(loss, z_loss_part)``. fp64 logits give fp64 (reference path).
     """
     _check_cross_entropy_args(logits, labels)
-    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
     flat_labels = labels.reshape(-1)
     if runs_triton(logits):
         rows, lse = CROSS_ENTROPY(as_rows(logits), flat_labels, ignore_index, label_smoothing,
@@ -661,7 +682,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: T
         gradients (d hidden [N, H], d weight [V, H]), computed during the forward pass.
     """
     _check_linear_args(hidden, weight, labels, bias, chunk_tokens)
-    _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
     if not runs_triton(hidden):
         return linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
@@ -672,8 +693,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: T
     divisor = _mean_divisor(valid, num_items) if reduction == "mean" else None
     grad_on = torch.is_grad_enabled()
     loss, lse, *_ = LINEAR_CROSS_ENTROPY(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, divisor, reduction, ignore_index,
-        label_smoothing, softcap, z_loss, chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
+        hidden.reshape(flat_labels.numel(), hidden.shape[-1]),  # not (-1, H): H may be 0 (all-zero logits)
+        weight, bias, flat_labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad)
     if reduction == "none":

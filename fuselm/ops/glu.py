@@ -6,13 +6,18 @@ Triton kernels, PyTorch reference and ``fuselm::`` registration. Two layouts:
 - packed: one [..., 2*I] tensor, gate half first (Phi-3's ``gate_up_proj`` output). Its backward
   writes the gradient of the packed tensor as one [..., 2*I] buffer.
 
-Both kernels are pure streaming: math in fp32, output in the input dtype. ``gelu_tanh`` is
+Both paths compute in fp32 (fp64 for fp64 input, reference only) and round once, to the input
+dtype: the kernels are pure streaming, the reference upcasts. (HF's eager MLP computes in the input
+dtype and rounds twice, after the activation and after the product.) ``gelu_tanh`` is
 ``F.gelu(x, approximate="tanh")`` (HF's ``gelu_pytorch_tanh``), computed through the identity
 ``0.5 * (1 + tanh(u)) = sigmoid(2 * u)``.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -27,14 +32,19 @@ _GELU_CUBIC = tl.constexpr(0.044715)
 
 
 # ----------------------------------------------------------------------------------- reference
+def _in_fp32(activation, gate: Tensor, up: Tensor) -> Tensor:
+    work = torch.promote_types(gate.dtype, torch.float32)
+    return (activation(gate.to(work)) * up.to(work)).to(gate.dtype)
+
+
 def silu_mul_reference(gate: Tensor, up: Tensor) -> Tensor:
-    """Plain PyTorch SwiGLU: ``silu(gate) * up`` in the input dtype. gate, up: [..., I]."""
-    return F.silu(gate) * up
+    """Plain PyTorch SwiGLU: ``silu(gate) * up`` in fp32 (fp64 for fp64), in gate's dtype. gate, up: [..., I]."""
+    return _in_fp32(F.silu, gate, up)
 
 
 def gelu_tanh_mul_reference(gate: Tensor, up: Tensor) -> Tensor:
-    """Plain PyTorch GeGLU: ``gelu(gate, approximate="tanh") * up`` in the input dtype. gate, up: [..., I]."""
-    return F.gelu(gate, approximate="tanh") * up
+    """Plain PyTorch GeGLU: ``gelu(gate, approximate="tanh") * up`` in fp32 (fp64 for fp64), in gate's dtype."""
+    return _in_fp32(functools.partial(F.gelu, approximate="tanh"), gate, up)
 
 
 _REFERENCES = {"silu": silu_mul_reference, "gelu_tanh": gelu_tanh_mul_reference}
@@ -244,7 +254,7 @@ def _gated(activation: str, gate: Tensor, up: Tensor | None) -> Tensor:
 
 
 def silu_mul(gate: Tensor, up: Tensor | None = None) -> Tensor:
-    """SwiGLU: ``silu(gate) * up``, math in fp32.
+    """SwiGLU: ``silu(gate) * up``, math in fp32 on both paths, rounded once to gate's dtype.
 
     Args:
         gate: [..., I] (any leading shape and strides), fp32/fp16/bf16 (any float dtype on the
@@ -258,7 +268,8 @@ def silu_mul(gate: Tensor, up: Tensor | None = None) -> Tensor:
 
 
 def gelu_tanh_mul(gate: Tensor, up: Tensor | None = None) -> Tensor:
-    """GeGLU: ``gelu(gate, approximate="tanh") * up`` (HF's ``gelu_pytorch_tanh``), math in fp32.
+    """GeGLU: ``gelu(gate, approximate="tanh") * up`` (HF's ``gelu_pytorch_tanh``), math in fp32 on both
+    paths, rounded once to gate's dtype.
 
     Args and returns as :func:`silu_mul`.
     """

@@ -20,7 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, autotune, check_same_device, check_tensor, new_output, sm_count
+from fuselm.ops._common import (FusedOp, as_rows, autotune, check_real, check_same_device, check_tensor, new_output,
+                                sm_count)
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
@@ -415,7 +416,14 @@ ADD_RMS_NORM = FusedOp("add_rms_norm", _add_rms_norm_impl, fake=_add_rms_norm_fa
 
 
 # ----------------------------------------------------------------------------------- public API
-def _check_norm_args(x: Tensor, weight: Tensor, casting: str, **others: Tensor) -> None:
+def _check_norm_args(x: Tensor, weight: Tensor, eps: float, offset: float, casting: str,
+                     **others: Tensor) -> tuple[float, float]:
+    """Checks every argument; returns (eps, offset) as floats."""
+    eps, offset = check_real("eps", eps), check_real("offset", offset)
+    if not 0.0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a non-negative finite number, got {eps}")
+    if not -float("inf") < offset < float("inf"):
+        raise ValueError(f"offset must be a finite number, got {offset}")
     check_tensor("x", x)
     check_tensor("weight", weight, rank=1)
     if casting not in CASTINGS:
@@ -432,6 +440,7 @@ def _check_norm_args(x: Tensor, weight: Tensor, casting: str, **others: Tensor) 
         check_same_device("x", x, **{name: t})
         if t.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but x has dtype {x.dtype}")
+    return eps, offset
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama") -> Tensor:
@@ -440,14 +449,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, 
     Args:
         x: [..., hidden], fp32/fp16/bf16 (any dtype on the reference path); any leading shape.
         weight: [hidden], same device as x.
-        eps: added to mean(x^2) before the square root.
-        offset: the norm multiplies by ``offset + weight`` (Gemma: 1.0).
+        eps: added to mean(x^2) before the square root; a Python float (or int) >= 0, not a tensor.
+        offset: the norm multiplies by ``offset + weight`` (Gemma: 1.0); a Python float (or int).
         casting: ``"llama"``, ``"gemma"`` or ``"none"`` (module docstring).
 
     Returns:
         [..., hidden]; dtype x.dtype for ``"gemma"``, else ``promote_types(x.dtype, weight.dtype)``.
     """
-    _check_norm_args(x, weight, casting)
+    eps, offset = _check_norm_args(x, weight, eps, offset, casting)
     if runs_triton(x):
         return RMS_NORM(x, weight, eps, offset, casting)[0]
     return rms_norm_reference(x, weight, eps, offset, casting)
@@ -464,7 +473,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
     Returns:
         (normed [..., hidden], total [..., hidden] in x.dtype). ``total`` is the new residual stream.
     """
-    _check_norm_args(x, weight, casting, residual=residual)
+    eps, offset = _check_norm_args(x, weight, eps, offset, casting, residual=residual)
     if runs_triton(x):
         y, total, _ = ADD_RMS_NORM(x, residual, weight, eps, offset, casting)
         return y, total

@@ -1,11 +1,39 @@
-"""FusedOp: the direct eager path computes what the torch.library op computes."""
+"""Shared op machinery: the direct eager path computes what the torch.library op computes; loops
+over runtime bounds run under the interpreter with any numpy."""
 
+import warnings
+
+import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fuselm
+from fuselm.backend import INTERPRETING
 from fuselm.ops.glu import GLU
 from fuselm.ops.rms_norm import ADD_RMS_NORM
 from tests.helpers import grads, randn
+
+
+@triton.jit
+def _strided_count_kernel(out_ptr, end, step):
+    # One program: counts the iterations of a loop whose start, end and step are all runtime values.
+    count = 0
+    for _ in range(tl.program_id(0) + 1, end, step):
+        count += 1
+    tl.store(out_ptr + tl.program_id(0), count)
+
+
+def test_loops_over_runtime_bounds_convert_them_without_numpy_warnings(device):
+    """triton < 3.7's interpreter converted loop bounds with int(1-element array): a DeprecationWarning
+    with numpy < 2.4, a TypeError from numpy 2.4 on (fuselm/ops/_common.py works around it)."""
+    if device != "cpu" or not INTERPRETING:
+        pytest.skip("checks Triton's CPU interpreter")
+    out = torch.full((2,), -1, dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _strided_count_kernel[(2,)](out, 12, 3)
+    assert out.tolist() == [len(range(1, 12, 3)), len(range(2, 12, 3))]
 
 
 def test_direct_eager_path_equals_the_torch_library_op(device):

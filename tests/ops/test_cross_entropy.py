@@ -1,3 +1,8 @@
+import math
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,6 +186,69 @@ def test_all_tokens_ignored(path, device, reduction, num_items):
             assert torch.all(g == 0)
 
 
+@pytest.mark.parametrize("bad_label", [37, -5])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bad_labels_fail_loudly(path, device, bad_label, reduction):
+    """A label outside [0, V) that is not ignore_index. The reference raises IndexError (F.cross_entropy's
+    check). Triton cannot raise without a host sync: the row's loss is NaN, and so is every gradient the
+    row reaches (its dlogits row; through the LM head its d hidden row, all of d weight and d bias),
+    while every other row gets the gradient it would get with that row's loss counted as NaN. Its
+    tl.device_assert, active on a GPU under TRITON_DEBUG=1, is tested in test_gpu_bad_label_asserts."""
+    if path == "reference" and device != "cpu":
+        pytest.skip("F.cross_entropy's CUDA device-side assert would end the test process's CUDA context")
+    bad = 4
+    labels = _labels(37, device)
+    labels[bad] = bad_label
+    logits = randn(N, 37, device=device, requires_grad=True, scale=3.0)
+    hidden, weight, b = _linear_inputs(16, 37, True, torch.float32, device)
+    if path == "reference":
+        with pytest.raises(IndexError, match="out of bounds"):
+            fuselm.cross_entropy(logits, labels, reduction=reduction)
+        with pytest.raises(IndexError, match="out of bounds"):
+            fuselm.linear_cross_entropy(hidden, weight, labels, b, reduction=reduction)
+        return
+    # What every other row must get: the bad row ignored, the mean still divided by the count including it.
+    others = torch.arange(N, device=device) != bad
+    ignored = labels.clone()
+    ignored[bad] = -100
+    reference_opts = dict(reduction=reduction, num_items=int((labels != -100).sum()) if reduction == "mean" else None)
+    for inputs, call, reference in [
+        ((logits,), lambda t, y, **o: fuselm.cross_entropy(*t, y, **o), cross_entropy_reference),
+        ((hidden, weight, b), lambda t, y, **o: fuselm.linear_cross_entropy(*t[:2], y, t[2], chunk_tokens=4, **o),
+         lambda h, w, bias, y, **o: linear_cross_entropy_reference(h, w, y, bias, **o)),
+    ]:
+        loss = call(inputs, labels, reduction=reduction)
+        upstream = _upstream(loss)
+        got = grads(loss, inputs, upstream)
+        inputs64 = [float64_leaf(t) for t in inputs]
+        loss64 = reference(*inputs64, ignored, **reference_opts)
+        expected = grads(loss64, inputs64, upstream.double())
+        if reduction == "none":
+            assert loss[bad].isnan() and not loss[others].isnan().any()
+            assert_close(loss[others], loss64[others], torch.float32, "other rows' loss")
+        else:
+            assert loss.isnan()
+        first = got[0]  # dlogits or d hidden: the bad row all NaN, the others as if it were ignored
+        assert first[bad].isnan().all()
+        assert_close(first[others], expected[0][others], torch.float32, "other rows' gradient")
+        for g in got[1:]:  # d weight and d bias: every element has a term from the bad row
+            assert g.isnan().all()
+
+
+@pytest.mark.gpu
+def test_gpu_bad_label_asserts_under_triton_debug():
+    """With TRITON_DEBUG=1 the kernels are built with their device asserts: a bad label stops the run."""
+    script = ("import torch, fuselm\n"
+              "logits = torch.randn(4, 37, device='cuda')\n"
+              "fuselm.cross_entropy(logits, torch.tensor([1, 2, 37, 3], device='cuda'))\n"
+              "torch.cuda.synchronize()\n")
+    env = {**os.environ, "TRITON_DEBUG": "1", "FUSELM_BACKEND": "triton"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert result.returncode != 0
+    assert "a label is outside [0, vocabulary size)" in result.stdout + result.stderr
+
+
 def test_masked_vocabulary_entries(path, device):
     """-inf logits (masked tokens), including a whole first block of a row, as PyTorch handles them."""
     logits = randn(N, 257, device=device, scale=3.0)
@@ -207,6 +275,34 @@ def test_empty_batch(path, device):
     loss = fuselm.linear_cross_entropy(hidden, weight, labels, reduction="sum")
     dhidden, dweight = grads(loss, (hidden, weight), None)
     assert loss == 0 and dhidden.shape == (0, 16) and torch.all(dweight == 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_hidden_size_zero(path, device, bias, reduction):
+    """H = 0: every logit is 0 (or the bias alone), so a non-ignored token's loss is log V (or
+    logsumexp(bias) - bias[label]); d hidden and d weight are empty, d bias is softmax(bias) - onehot."""
+    vocab = 37
+    hidden = randn(2, 3, 0, device=device, requires_grad=True)
+    weight = randn(vocab, 0, device=device, requires_grad=True)
+    b = randn(vocab, device=device, requires_grad=True) if bias else None
+    labels = _labels(vocab, device, n=6).view(2, 3)
+    loss = fuselm.linear_cross_entropy(hidden, weight, labels, b, reduction=reduction)
+    upstream = _upstream(loss)
+    got = grads(loss, (hidden, weight, b) if bias else (hidden, weight), upstream)
+    assert got[0].shape == hidden.shape and got[1].shape == weight.shape
+    b64 = float64_leaf(b) if bias else torch.zeros(vocab, dtype=torch.float64, device=device)
+    loss64 = cross_entropy_reference(b64.expand(6, vocab), labels.view(-1), reduction=reduction)
+    if reduction == "none":
+        loss64 = loss64.view(2, 3)
+    assert_close(loss, loss64, torch.float32, "loss")
+    if bias:
+        assert_close(got[2], grads(loss64, (b64,), upstream.double())[0], torch.float32, "dbias")
+    else:
+        valid = labels != -100
+        log_v = torch.full(labels.shape, math.log(vocab), dtype=torch.float64, device=device)
+        expected = log_v.where(valid, 0.0) if reduction == "none" else log_v[valid].mean()
+        assert_close(loss, expected, torch.float32, "loss = log V")
 
 
 def test_return_z_loss(path, device):
@@ -386,6 +482,11 @@ def test_default_chunk_tokens():
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, label_smoothing=1.5), ValueError, "label_smoothing must"),
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, softcap=0.0), ValueError, "softcap must"),
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, z_loss=-1.0), ValueError, "z_loss must"),
+        (lambda x, y, h, w: fuselm.cross_entropy(x, y, label_smoothing=None), TypeError, "label_smoothing must be"),
+        (lambda x, y, h, w: fuselm.cross_entropy(x, y, label_smoothing=torch.tensor(0.1)), TypeError,
+         "label_smoothing must be a Python float"),
+        (lambda x, y, h, w: fuselm.cross_entropy(x, y, softcap=torch.tensor(5.0)), TypeError, "softcap must be a"),
+        (lambda x, y, h, w: fuselm.linear_cross_entropy(h, w, y, z_loss=None), TypeError, "z_loss must be a Python"),
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, num_items=torch.ones(2)), ValueError, "num_items must be a 0-d"),
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, num_items=0), ValueError, "num_items must be positive"),
         (lambda x, y, h, w: fuselm.cross_entropy(x, y, num_items=2.5), TypeError, "num_items must be an int"),
@@ -524,12 +625,21 @@ def test_gpu_more_than_2_31_logits():
     assert_close(dlogits[tail], grads(loss64, (tail64,), torch.ones_like(loss64))[0], torch.bfloat16)
 
 
-def test_second_backward_through_the_same_graph_is_refused(path, device):
-    """The gradients are computed in the forward and scaled in place by the first backward."""
+def test_second_backward_through_the_same_graph(path, device):
+    """Triton computes the gradients in the forward and the first backward scales them in place, so a
+    second (retain_graph) backward is refused and leaves the gradients alone. The reference keeps
+    autograd's own graph: a second backward adds the same gradients again."""
     hidden, weight, _ = _linear_inputs(16, 37, False, torch.float32, device, n=5)
     labels = _labels(37, device, n=5)
     loss = fuselm.linear_cross_entropy(hidden, weight, labels)
     loss.backward(retain_graph=True)
+    first = hidden.grad.clone(), weight.grad.clone()
+    assert first[0].abs().sum() > 0 and first[1].abs().sum() > 0
     if path == "triton":
         with pytest.raises(RuntimeError, match="backward ran twice"):
             loss.backward()
+        expected = first
+    else:
+        loss.backward()
+        expected = 2 * first[0], 2 * first[1]
+    assert torch.equal(hidden.grad, expected[0]) and torch.equal(weight.grad, expected[1])

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import fuselm
+from fuselm.backend import INTERPRETING
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
 from tests.helpers import assert_close, assert_compiles_like_eager, float64_leaf, grads, randn
 
@@ -52,6 +53,21 @@ def test_packed_matches_float64(path, device, shape, dtype, activation):
     assert dgate_up.shape == gate_up.shape and dgate_up.dtype == dtype
     assert_close(out, out64, dtype, "out")
     assert_close(dgate_up, dgate_up64, dtype, "dgate_up")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_half_precision_output_is_the_float64_result_rounded_once(path, device, dtype, activation):
+    """fp32 math then one rounding, on both paths: the output is the float64 result rounded to the dtype,
+    but where fp32 rounding lands next to a rounding boundary. (Computing in the half type, as HF's eager
+    MLP does, rounds twice and misses it in about a quarter of the elements.)"""
+    if dtype == torch.bfloat16 and path == "triton" and INTERPRETING:
+        pytest.skip("the interpreter converts fp32 to bf16 by truncation; a GPU rounds to nearest")
+    op, reference = ACTIVATIONS[activation]
+    gate = randn(4096, dtype=dtype, device=device, scale=2.0)
+    up = randn(4096, dtype=dtype, device=device)
+    once = reference(gate.double(), up.double()).to(dtype)
+    assert (op(gate, up) == once).float().mean() >= 0.98
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -172,6 +172,25 @@ def test_bad_input_names_the_argument(call, error, match):
         call(x, w)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_eps_and_offset_are_python_numbers(path, device, op):
+    """Both paths take a Python float or int only: a tensor eps (which the reference alone would accept)
+    or None is a TypeError naming the argument; ints give the float's result."""
+    x, w = randn(4, 8, device=device), 1 + 0.1 * randn(8, device=device)
+    call = (lambda **kw: fuselm.rms_norm(x, w, **kw)) if op == "rms_norm" else \
+        (lambda **kw: fuselm.add_rms_norm(x, x.flip(0), w, **kw)[0])
+    for name in ("eps", "offset"):
+        for bad in (None, torch.tensor(1e-6, device=device), True, "1e-6"):
+            with pytest.raises(TypeError, match=f"{name} must be a Python float \\(or int\\), got {type(bad).__name__}"):
+                call(**{name: bad})
+    for bad in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a non-negative finite number"):
+            call(eps=bad)
+    with pytest.raises(ValueError, match="offset must be a finite number"):
+        call(offset=float("nan"))
+    assert torch.equal(call(eps=1, offset=1), call(eps=1.0, offset=1.0))
+
+
 def test_torch_compile_fullgraph_traces_the_custom_ops(device):
     x, w, r = _inputs((5, 48), torch.float32, device, residual=True)
 

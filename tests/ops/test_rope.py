@@ -168,12 +168,19 @@ def test_out_of_place_does_not_mutate_inputs(path, device):
 
 
 def test_cos_sin_requiring_grad_take_the_reference_path(path, device):
+    """With cos or sin requiring grad the reference runs on either path (its gradients are checked
+    below); the same call with them detached runs the Triton op on the Triton path only, which shows
+    that the profiler would have seen the op had the first call run it."""
     q, k, cos, sin = _inputs((2, 5, 2, 1, 8, 8, True), torch.float32, "bhsd", device)
     cos.requires_grad_()
     sin.requires_grad_()
     with torch.profiler.profile() as prof:
         q_out, k_out = fuselm.rope(q, k, cos, sin)
+    with torch.profiler.profile() as detached_prof:
+        fuselm.rope(q, k, cos.detach(), sin.detach())
     assert "fuselm::rope" not in {e.key for e in prof.key_averages()}
+    detached_ops = {e.key: e.count for e in detached_prof.key_averages()}
+    assert detached_ops.get("fuselm::rope", 0) == (1 if path == "triton" else 0)
     dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
     got = grads((q_out, k_out), (q, k, cos, sin), (dq_out, dk_out))
     leaves = [float64_leaf(t) for t in (q, k, cos, sin)]
