@@ -18,7 +18,8 @@ import fuselm
 from fuselm.patching.modules import NEXT_NORM
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.patching.tiny_models import UNLISTED, tiny_model, token_ids
+from tests.models import UNLISTED, tiny_model, token_ids
+from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 
 def logits(model, ids=None, **kwargs):
     with torch.no_grad():
@@ -298,27 +299,35 @@ def test_both_cache_keyword_names_pass_through_the_decoder_layer(keyword):
 
 
 # ----------------------------------------------------------------------------------- recognition
-@pytest.mark.parametrize("name", list(UNLISTED))
+@pytest.mark.parametrize("name", UNLISTED)
 def test_unlisted_families_get_what_is_recognised_and_compute_the_same(path, name):
     model = tiny_model(name).train()
     ids = token_ids()
-    expected = model(ids, labels=ids)
-    expected.loss.backward()
-    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    expected = loss_logits_grads(model, ids)
     report = fuselm.patch(model)
-    got = model(ids, labels=ids)
-    got.loss.backward()
-    assert rel_err(got.loss, expected.loss) <= 1e-6
-    assert rel_err(model(ids).logits, expected.logits) <= 1e-6
-    assert all(rel_err(p.grad, expected_grads[n]) <= 1e-5 for n, p in model.named_parameters())
+    assert_same_training_step(loss_logits_grads(model, ids), expected, tolerance=1e-6)
     assert report["decoder_layer"].left_alone == {f"family {name!r} is not in fuselm's table": 2}
+    assert report["loss"].left_alone == {
+        f"{type(model).__name__}.forward is family {name!r}'s, whose loss fuselm has not read": 1}
     assert report["mlp"].patched == 2
     if name == "cohere":  # interleaved RoPE and LayerNorm: nothing to route
         assert report["rope"].left_alone == {"apply_rotary_pos_emb does not compute rotate_half RoPE": 2}
         assert report["rms_norm"].total == 0
     else:
         assert report["rope"].patched == 2 and report["rms_norm"].patched == report["rms_norm"].total > 0
+
+
+def test_a_post_norm_family_keeps_its_layers_and_fuses_the_rest(path):
+    """OLMo2 norms each branch before its residual add: no add feeds a norm, so its layers stay HF's."""
+    model = tiny_model("olmo2").train()
+    ids = token_ids()
+    expected = loss_logits_grads(model, ids)
+    report = fuselm.patch(model)
+    assert_same_training_step(loss_logits_grads(model, ids), expected, tolerance=1e-6)
+    assert report["decoder_layer"].left_alone == {
+        "its norms follow attention and MLP (post-norm): no residual add feeds a norm": 2}
+    assert [(report[kind].patched, report[kind].total) for kind in ("rms_norm", "rope", "mlp", "loss")] == [
+        (9, 9), (2, 2), (2, 2), (1, 1)]  # q_norm, k_norm and two norms per layer, and the final norm
 
 
 class ToyRMSNorm(nn.Module):
@@ -406,7 +415,7 @@ def test_reference_backend_runs_the_same_patched_model_without_fused_kernels():
 def test_fuselm_backend_environment_variable_selects_the_references():
     script = (
         "import torch, fuselm\n"
-        "from tests.patching.tiny_models import tiny_model, token_ids\n"
+        "from tests.models import tiny_model, token_ids\n"
         "model = tiny_model('llama')\n"
         "expected = model(token_ids()).logits\n"
         "report = fuselm.patch(model)\n"

@@ -1,0 +1,39 @@
+"""What :func:`fuselm.patch` did: per kind of module, how many it patched and why it left the others alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KindReport:
+    """Modules of one kind: how many there are, how many were patched, why the others were left alone."""
+
+    patched: int = 0
+    total: int = 0
+    left_alone: dict[str, int] = field(default_factory=dict)  # reason -> number of modules
+
+    def leave(self, reason: str) -> None:
+        self.left_alone[reason] = self.left_alone.get(reason, 0) + 1
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did, per kind of module (``report["mlp"].patched``); ``print`` it to read it."""
+
+    model: str
+    ops_path: str
+    kinds: dict[str, KindReport]
+
+    def __getitem__(self, kind: str) -> KindReport:
+        return self.kinds[kind]
+
+    def __str__(self) -> str:
+        lines = [f"fuselm.patch({self.model}): fused ops run on {self.ops_path}"]
+        width = max(len(kind) for kind in self.kinds) + 1
+        for kind, entry in self.kinds.items():
+            line = f"  {kind + ':':<{width}} {entry.patched}/{entry.total}"
+            if entry.left_alone:
+                line += " — " + "; ".join(f"{reason} ({n})" for reason, n in entry.left_alone.items())
+            lines.append(line)
+        return "\n".join(lines)
