@@ -80,7 +80,7 @@ def path_name(device: torch.device | str) -> str:
     """Human-readable name of the path ops take for tensors on ``device`` (used by the demo)."""
     device = torch.device(device)
     if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
-        return f"PyTorch reference on {device.type}"
+        return f"PyTorch reference ({device.type})"
     if device.type == "cuda":
-        return f"Triton on {torch.cuda.get_device_name(device)}"
-    return "Triton interpreter on cpu"
+        return f"Triton ({torch.cuda.get_device_name(device)})"
+    return "Triton interpreter (cpu)"

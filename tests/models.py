@@ -55,7 +55,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "cohere": TinyModel("cohere", None),
     "granite": TinyModel("granite", None, {"head_dim": 24, "residual_multiplier": 0.7, "attention_multiplier": 0.3}),
     # mixture of experts, not in the table: the experts stay HF's
-    "mixtral": TinyModel("mixtral", None, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": TinyModel("mixtral", None, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                           "intermediate_size": 96}),  # HF's grouped matmul wants 16-byte strides
     "qwen2_moe": TinyModel("qwen2_moe", None, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                                "shared_expert_intermediate_size": 40}),
     "qwen3_moe": TinyModel("qwen3_moe", None, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

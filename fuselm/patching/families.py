@@ -119,7 +119,8 @@ class AttentionFacts:
     qk_norm: str | None  # as Family.qk_norm: "head", "projection" or None; the norms are q_norm and k_norm
     scaling: float  # scores = q @ k^T * scaling
     softcap: float | None  # scores -> softcap * tanh(scores / softcap) before the mask, when set
-    sliding_window: int | None  # when set, query position i sees key positions j with i - window < j <= i
+    sliding_window: int | None  # when set, query position i sees key positions j > i - window only (and, when
+    #                             not causal, j < i + window)
     causal: bool
 
 

@@ -90,7 +90,7 @@ def _read_forward(cls: type) -> _ForwardSpec | str:
     if not owner.endswith("ForCausalLM") or family_name(code) is None:
         return f"{cls.__name__}.forward is {code.__module__}.{code.__qualname__}, not a transformers *ForCausalLM's"
     if family_of(code) is None:
-        return f"{cls.__name__}.forward is family {family_name(code)!r}'s, whose loss fuselm has not read"
+        return f"{cls.__name__}.forward: family {family_name(code)!r} is not in fuselm's table"
     names = set(code.__code__.co_names)
     softcaps = "final_logit_softcapping" in names
     unknown = names - _FORWARD_NAMES - (_SOFTCAP_NAMES if softcaps else set())

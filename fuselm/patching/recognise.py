@@ -49,15 +49,15 @@ from fuselm.patching.modules import (
     gated_mlp,
 )
 
-_CLASS_SUFFIX = {"rms_norm": "rmsnorm", "rope": "attention", "mlp": "mlp", "decoder_layer": "decoderlayer",
-                 "loss": "forcausallm"}
+_CLASS_SUFFIXES = {"rms_norm": ("rmsnorm",), "rope": ("attention",), "mlp": ("mlp", "moeblock", "moe"),
+                   "decoder_layer": ("decoderlayer",), "loss": ("forcausallm",)}
 _ROPE_FUNCTION = "apply_rotary_pos_emb"
 
 
 def kind_of(cls: type) -> str | None:
     """Which kind of module (a key of fuselm.patch's options) a class is a candidate for, by its name."""
     name = cls.__name__.lower()
-    kind = next((kind for kind, suffix in _CLASS_SUFFIX.items() if name.endswith(suffix)), None)
+    kind = next((kind for kind, suffixes in _CLASS_SUFFIXES.items() if name.endswith(suffixes)), None)
     if kind == "loss" and not any(base.__name__ == "PreTrainedModel" for base in cls.__mro__):
         return None  # e.g. PEFT's PeftModelForCausalLM: the HF model inside it is the one to patch
     return kind
@@ -213,6 +213,10 @@ class Recogniser:
 
     def mlp(self, module: nn.Module) -> type | str:
         cls, family = type(module), family_of(type(module))
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.Module):
+            count = len(experts) if isinstance(experts, nn.ModuleList) else getattr(experts, "num_experts", None)
+            return f"mixture-of-experts block{f' ({count} experts)' if isinstance(count, int) else ''}: experts left to HF"
         layout = family or _gated_layout(module)
         if layout is None or not all(isinstance(getattr(module, n, None), nn.Module)
                                      for n in (*layout.mlp_inputs, layout.mlp_output)):

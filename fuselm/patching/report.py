@@ -29,11 +29,16 @@ class PatchReport:
         return self.kinds[kind]
 
     def __str__(self) -> str:
-        lines = [f"fuselm.patch({self.model}): fused ops run on {self.ops_path}"]
+        """One line per kind, ``patched/total``, and under it one line per reason, its count first."""
+        lines = [f"fuselm.patch({self.model}) — ops: {self.ops_path}"]
+        if not any(entry.total for entry in self.kinds.values()):
+            lines.append("  nothing recognised: no module is named like an HF RMSNorm, Attention, MLP, "
+                         "DecoderLayer or ForCausalLM")
+            return "\n".join(lines)
         width = max(len(kind) for kind in self.kinds) + 1
         for kind, entry in self.kinds.items():
-            line = f"  {kind + ':':<{width}} {entry.patched}/{entry.total}"
-            if entry.left_alone:
-                line += " — " + "; ".join(f"{reason} ({n})" for reason, n in entry.left_alone.items())
-            lines.append(line)
+            lines.append(f"  {kind + ':':<{width}} {entry.patched}/{entry.total}")
+            lines += [f"  {'':<{width}}   {n} × {reason}" for reason, n in entry.left_alone.items()]
+        if not any(entry.patched for entry in self.kinds.values()):
+            lines.append("  nothing patched")
         return "\n".join(lines)

@@ -18,7 +18,7 @@ import fuselm
 from fuselm.patching.modules import NEXT_NORM
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.models import UNLISTED, tiny_model, token_ids
+from tests.models import MIXTURE_OF_EXPERTS, UNLISTED, tiny_model, token_ids
 from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 
 def logits(model, ids=None, **kwargs):
@@ -43,9 +43,40 @@ def test_report_says_per_kind_what_was_left_alone_and_why():
     report = fuselm.patch(model)
     assert (report["mlp"].patched, report["mlp"].total) == (0, 2)
     assert report["mlp"].left_alone == {"hidden_act 'relu' has no fused kernel": 2}
-    assert "mlp:           0/2 — hidden_act 'relu' has no fused kernel (2)" in str(report)
-    assert "rms_norm:      5/5\n" in str(report) and str(report).startswith("fuselm.patch(LlamaForCausalLM)")
+    device = torch.device(DEVICE).type
+    ops = f"PyTorch reference ({device})" if device == "cpu" else f"Triton ({torch.cuda.get_device_name()})"
+    assert str(report) == "\n".join([
+        f"fuselm.patch(LlamaForCausalLM) — ops: {ops}",
+        "  rms_norm:      5/5",
+        "  rope:          2/2",
+        "  mlp:           0/2",
+        "                   2 × hidden_act 'relu' has no fused kernel",
+        "  decoder_layer: 2/2",
+        "  loss:          1/1",
+    ])
     assert rel_err(logits(model), expected) <= 1e-6
+
+
+@pytest.mark.parametrize("name", MIXTURE_OF_EXPERTS)
+def test_mixture_of_experts_blocks_are_counted_and_left_to_hf(name):
+    model = tiny_model(name)
+    expected = logits(model)
+    report = fuselm.patch(model)
+    shared_experts = 2 if name == "qwen2_moe" else 0  # Qwen2-MoE's shared expert is a plain gated MLP
+    assert (report["mlp"].patched, report["mlp"].total) == (shared_experts, 2 + shared_experts)
+    assert report["mlp"].left_alone == {"mixture-of-experts block (4 experts): experts left to HF": 2}
+    assert "\n                   2 × mixture-of-experts block (4 experts): experts left to HF\n" in str(report)
+    assert report["rms_norm"].patched == report["rms_norm"].total > 0 and report["rope"].patched == 2
+    assert rel_err(logits(model), expected) <= 1e-6
+
+
+def test_a_model_with_nothing_recognised_says_so():
+    report = fuselm.patch(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert all(entry.total == 0 for entry in report.kinds.values())
+    assert str(report).splitlines()[1:] == [
+        "  nothing recognised: no module is named like an HF RMSNorm, Attention, MLP, DecoderLayer or ForCausalLM"]
+    report = fuselm.patch(tiny_model("llama"), rms_norm=False, rope=False, mlp=False, loss=False)
+    assert str(report).endswith("\n  nothing patched") and report["decoder_layer"].left_alone == {"needs rms_norm=True": 2}
 
 
 def test_gemma_exact_gelu_is_not_mistaken_for_its_tanh_approximation():
@@ -307,8 +338,7 @@ def test_unlisted_families_get_what_is_recognised_and_compute_the_same(path, nam
     report = fuselm.patch(model)
     assert_same_training_step(loss_logits_grads(model, ids), expected, tolerance=1e-6)
     assert report["decoder_layer"].left_alone == {f"family {name!r} is not in fuselm's table": 2}
-    assert report["loss"].left_alone == {
-        f"{type(model).__name__}.forward is family {name!r}'s, whose loss fuselm has not read": 1}
+    assert report["loss"].left_alone == {f"{type(model).__name__}.forward: family {name!r} is not in fuselm's table": 1}
     assert report["mlp"].patched == 2
     if name == "cohere":  # interleaved RoPE and LayerNorm: nothing to route
         assert report["rope"].left_alone == {"apply_rotary_pos_emb does not compute rotate_half RoPE": 2}
@@ -429,7 +459,7 @@ def test_fuselm_backend_environment_variable_selects_the_references():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith(f"reference PyTorch reference on {torch.device(DEVICE).type}")
+    assert done.stdout.strip().endswith(f"reference PyTorch reference ({torch.device(DEVICE).type})")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])

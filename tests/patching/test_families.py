@@ -30,13 +30,21 @@ def assert_same_training_step(got, expected, tolerance):
     assert errors[worst] <= 10 * tolerance, f"gradient of {worst}: {errors[worst]:.2e}"
 
 
+# Two norms per layer, two more where they sandwich each branch (Gemma 2/3) or norm q and k (Qwen3, Gemma3),
+# and the final norm.
+NORMS = {"qwen3": 9, "gemma2": 9, "gemma3": 13}
+
+
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_every_module_of_a_listed_family_is_patched(name):
     report = fuselm.patch(tiny_model(name))
-    for kind in ("rms_norm", "rope", "mlp", "decoder_layer"):
-        entry = report[kind]
-        assert entry.total > 0 and entry.patched == entry.total, f"{kind}: {entry}"
-    assert "rms_norm:" in str(report) and "decoder_layer: 2/2" in str(report)
+    counts = {kind: (entry.patched, entry.total) for kind, entry in report.kinds.items()}
+    norms = NORMS.get(name, 5)
+    assert counts == {"rms_norm": (norms, norms), "rope": (2, 2), "mlp": (2, 2), "decoder_layer": (2, 2),
+                      "loss": (1, 1)}
+    assert all(entry.left_alone == {} for entry in report.kinds.values())
+    assert str(report).splitlines()[1:] == [f"  rms_norm:      {norms}/{norms}", "  rope:          2/2",
+                                            "  mlp:           2/2", "  decoder_layer: 2/2", "  loss:          1/1"]
 
 
 @pytest.mark.parametrize("name", FUSED_LAYERS)
