@@ -65,10 +65,14 @@ def _reduce_fused(self, protocol: int):
 
 
 def _new_instance(function: Callable, args: tuple) -> object:
-    cls = function(*args)
-    if cls is None:
-        raise TypeError(f"fuselm cannot make the fused subclass {function.__name__}{args} again "
-                        "(a different transformers?); unpatch the model before torch.save, or use save_pretrained")
+    """A bare instance of the fused subclass ``function(*args)`` gives (its state is set after this)."""
+    try:
+        cls = function(*args)
+    except ValueError as error:
+        cls = str(error)
+    if not isinstance(cls, type):
+        raise TypeError(f"fuselm cannot make the fused subclass of {args[0].__qualname__} again ({cls}; another "
+                        "transformers version?): save with save_pretrained, or fuselm.unpatch before torch.save")
     return object.__new__(cls)
 
 

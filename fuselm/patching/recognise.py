@@ -216,7 +216,8 @@ class Recogniser:
         experts = getattr(module, "experts", None)
         if isinstance(experts, nn.Module):
             count = len(experts) if isinstance(experts, nn.ModuleList) else getattr(experts, "num_experts", None)
-            return f"mixture-of-experts block{f' ({count} experts)' if isinstance(count, int) else ''}: experts left to HF"
+            size = f" ({count} experts)" if isinstance(count, int) else ""
+            return f"mixture-of-experts block{size}: experts left to HF"
         layout = family or _gated_layout(module)
         if layout is None or not all(isinstance(getattr(module, n, None), nn.Module)
                                      for n in (*layout.mlp_inputs, layout.mlp_output)):

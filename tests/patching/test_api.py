@@ -4,6 +4,7 @@ of families and modules nobody listed, profiling, torch.compile and the FUSELM_B
 import copy
 import gc
 import os
+import pickle
 import subprocess
 import sys
 import weakref
@@ -15,11 +16,14 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.llama import modeling_llama
 
 import fuselm
+from fuselm.patching import recognise
 from fuselm.patching.modules import NEXT_NORM
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
 from tests.models import MIXTURE_OF_EXPERTS, UNLISTED, tiny_model, token_ids
 from tests.patching.test_families import assert_same_training_step, loss_logits_grads
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def logits(model, ids=None, **kwargs):
     with torch.no_grad():
@@ -76,7 +80,8 @@ def test_a_model_with_nothing_recognised_says_so():
     assert str(report).splitlines()[1:] == [
         "  nothing recognised: no module is named like an HF RMSNorm, Attention, MLP, DecoderLayer or ForCausalLM"]
     report = fuselm.patch(tiny_model("llama"), rms_norm=False, rope=False, mlp=False, loss=False)
-    assert str(report).endswith("\n  nothing patched") and report["decoder_layer"].left_alone == {"needs rms_norm=True": 2}
+    assert str(report).endswith("\n  nothing patched")
+    assert report["decoder_layer"].left_alone == {"needs rms_norm=True": 2}
 
 
 def test_gemma_exact_gelu_is_not_mistaken_for_its_tanh_approximation():
@@ -161,6 +166,62 @@ def test_patching_one_model_leaves_another_and_the_hf_classes_untouched():
                                      modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)] == hf_class_dicts
     fresh = tiny_model("llama")
     assert fused_op_counts(lambda: logits(fresh)) == {}
+
+
+def test_torch_save_of_a_patched_model_loads_patched_in_a_fresh_process(tmp_path):
+    """Pickle stores each fused module as a reference to fuselm and its HF class; loading makes the fused
+    subclasses again, so the loaded model is patched, links its layers to its own norms, and unpatches."""
+    model = tiny_model("gemma3").train()  # sandwich norms, q/k norms, and the fused loss in training
+    ids = token_ids()
+    expected = loss_logits_grads(model, ids)
+    fuselm.patch(model)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save((ids, expected), tmp_path / "expected.pt")
+    script = (
+        "import sys, torch, fuselm\n"
+        "from fuselm.patching.modules import NEXT_NORM\n"
+        "from tests.patching.test_families import assert_same_training_step, loss_logits_grads\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "ids, expected = torch.load(sys.argv[2], weights_only=False)\n"
+        "layers = model.model.layers\n"
+        "assert layers[0].__dict__[NEXT_NORM] is layers[1].input_layernorm\n"
+        "assert layers[1].__dict__[NEXT_NORM] is model.model.norm\n"
+        "with fuselm.use_backend('triton'):\n"
+        "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
+        "        got = loss_logits_grads(model, ids)\n"
+        "assert_same_training_step(got, expected, tolerance=1e-6)\n"
+        "ran = {e.name for e in prof.events() if e.name.startswith('fuselm::')}\n"
+        "assert {'fuselm::add_rms_norm', 'fuselm::rope', 'fuselm::glu', 'fuselm::linear_cross_entropy'} <= ran, ran\n"
+        "print(fuselm.unpatch(model))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt"), str(tmp_path / "expected.pt")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False, cwd=REPOSITORY)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "20"  # 13 norms, 2 attentions, 2 MLPs, 2 decoder layers, the loss
+
+
+def test_pickling_and_copying_keep_a_patched_model_patched():
+    model = tiny_model("phi3")
+    expected = logits(model)
+    fuselm.patch(model)
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert classes(twin) == classes(model)
+        assert rel_err(logits(twin), expected) <= 1e-6
+        assert fuselm.unpatch(twin) == 12 and not patched_modules(twin)
+
+
+def test_a_fused_class_that_cannot_be_made_again_on_load_says_what_to_do(monkeypatch):
+    model = tiny_model("llama")
+    fuselm.patch(model)
+    saved = pickle.dumps(model)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))  # as if HF changed
+    recognise._probe_rope.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="fused subclass of LlamaAttention .*save_pretrained.*fuselm.unpatch"):
+            pickle.loads(saved)
+    finally:
+        recognise._probe_rope.cache_clear()
 
 
 def test_names_state_dict_print_and_save_pretrained_stay_as_they_were(tmp_path):
@@ -457,7 +518,7 @@ def test_fuselm_backend_environment_variable_selects_the_references():
     )
     env = {**os.environ, "FUSELM_BACKEND": "reference", "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                          check=False, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith(f"reference PyTorch reference ({torch.device(DEVICE).type})")
 
