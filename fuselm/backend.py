@@ -103,7 +103,7 @@ def path_name(device: torch.device | str) -> str:
     device = torch.device(device)
     backend = get_backend()
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
-        return f"PyTorch reference on {device.type}"
+        return f"PyTorch reference ({device.type})"
     if device.type == "cuda":
-        return f"Triton on {torch.cuda.get_device_name(device)}"
-    return "Triton interpreter on cpu"
+        return f"Triton ({torch.cuda.get_device_name(device)})"
+    return "Triton interpreter (cpu)"

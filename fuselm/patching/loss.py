@@ -42,12 +42,12 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fuselm.ops.cross_entropy import linear_cross_entropy
+from fuselm.patching.classes import fused_subclass, original_class
+from fuselm.patching.families import family_name, family_of
+from fuselm.patching.modules import hooked
 
-_ORIGINAL = "_fuselm_original"  # class attribute naming the HF class; fuselm.unpatch restores it
-
-# Families whose *ForCausalLM.forward fuselm has read (transformers 5.17 - 5.24): decoder -> slice by
-# logits_to_keep -> lm_head -> (Gemma 2/3: soft-cap by config.final_logit_softcapping) -> loss_function.
-FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2"})
+# The *ForCausalLM.forward of every family in fuselm's table (read in transformers 5.17 - 5.24): decoder ->
+# slice by logits_to_keep -> lm_head -> (Gemma 2/3: soft-cap by config.final_logit_softcapping) -> loss_function.
 # Every global and attribute name such a forward uses; one more means it computes something else.
 _FORWARD_NAMES = frozenset({"model", "last_hidden_state", "slice_logits_to_keep", "isinstance", "int", "slice",
                             "lm_head", "loss_function", "config", "vocab_size", "CausalLMOutputWithPast", "cache",
@@ -87,11 +87,10 @@ def _read_forward(cls: type) -> _ForwardSpec | str:
     if not isinstance(code, types.FunctionType):
         return f"{cls.__name__}.forward is not a Python function"
     owner = code.__qualname__.rpartition(".")[0]
-    module = code.__module__.split(".")
-    family = module[-1].removeprefix("modeling_") if module[:2] == ["transformers", "models"] else None
-    if not owner.endswith("ForCausalLM") or family not in FAMILIES:
-        return (f"{cls.__name__}'s forward ({code.__module__}.{code.__qualname__}) is not a causal-LM forward "
-                "fuselm has read")
+    if not owner.endswith("ForCausalLM") or family_name(code) is None:
+        return f"{cls.__name__}.forward is {code.__module__}.{code.__qualname__}, not a transformers *ForCausalLM's"
+    if family_of(code) is None:
+        return f"{cls.__name__}.forward: family {family_name(code)!r} is not in fuselm's table"
     names = set(code.__code__.co_names)
     softcaps = "final_logit_softcapping" in names
     unknown = names - _FORWARD_NAMES - (_SOFTCAP_NAMES if softcaps else set())
@@ -111,15 +110,10 @@ def _read_forward(cls: type) -> _ForwardSpec | str:
 
 
 def _spec(cls: type) -> _ForwardSpec | str:
-    cls = cls.__dict__.get(_ORIGINAL, cls)
+    cls = original_class(cls)
     if cls not in _SPECS:
         _SPECS[cls] = _read_forward(cls)
     return _SPECS[cls]
-
-
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__)
 
 
 def loss_unsupported_reason(model: nn.Module) -> str | None:
@@ -142,7 +136,7 @@ def _call_reason(model: nn.Module) -> str | None:
     if type(head) is not nn.Linear:
         kind = f"{type(head).__module__}.{type(head).__qualname__}"
         return f"lm_head is a {kind}, not a plain torch.nn.Linear (e.g. LoRA, modules_to_save, quantised)"
-    if _hooked(head):
+    if hooked(head):
         return "lm_head has hooks or a replaced forward"
     if any(type(t) not in (nn.Parameter, Tensor) for t in (head.weight, head.bias) if t is not None):
         return f"lm_head's weight is a {type(head.weight).__name__} (sharded or quantised)"
@@ -215,28 +209,25 @@ def _causal_lm_loss(hidden: Tensor, head: nn.Linear, labels: Tensor, shift_label
     return loss / num_items_in_batch
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def fused_causal_lm_class(original_cls: type) -> type:
-    """A cached subclass of a HF *ForCausalLM class whose forward computes the training loss with
+    """The subclass of a HF *ForCausalLM class whose forward computes the training loss with
     fuselm.linear_cross_entropy when it can, and otherwise runs the original forward unchanged.
 
     The subclass has the original's name, module and forward signature (Trainer and PEFT inspect it),
     and records the original for ``fuselm.unpatch``. A fused class given here maps to its original's.
     Raises ValueError for a class whose forward fuselm has not read (:func:`loss_unsupported_reason`).
     """
-    original_cls = original_cls.__dict__.get(_ORIGINAL, original_cls)
+    original_cls = original_class(original_cls)
     spec = _spec(original_cls)
     if isinstance(spec, str):
         raise ValueError(f"original_cls {original_cls.__name__}: {spec}")
-    if original_cls not in _CLASSES:
 
+    def make_forward():
         @functools.wraps(spec.original)
         def forward(self, *args, **kwargs):
             return _fused_forward(self, spec, args, kwargs)
 
-        _CLASSES[original_cls] = type(original_cls.__name__, (original_cls,), {
-            "__module__": original_cls.__module__, "__qualname__": original_cls.__qualname__,
-            "__doc__": original_cls.__doc__, _ORIGINAL: original_cls, "forward": forward})
-    return _CLASSES[original_cls]
+        return forward
+
+    return fused_subclass(original_cls, make_forward=make_forward, rebuild=(fused_causal_lm_class, (original_cls,)),
+                          _fuselm_loss=spec)

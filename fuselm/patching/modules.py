@@ -1,6 +1,6 @@
 """The fused forwards that :func:`fuselm.patch` gives a model's modules.
 
-Each is a mixin placed in front of an HF class in a subclass made once per class (see ``patch.py``);
+Each is a mixin placed in front of an HF class in a subclass made once per class (see ``classes.py``);
 it reads the module's own submodules and parameters, so LoRA layers, quantised linears and PEFT
 wrappers keep working. The specs (``_fuselm_norm``, ``_fuselm_mlp``, ``_fuselm_layer``) are class
 attributes of those subclasses.
@@ -36,7 +36,8 @@ def _promoted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a.to(dtype), b.to(dtype)
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
+    """Whether a hook watches ``module`` or its forward is replaced on the instance: it must then run as called."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or "forward" in module.__dict__)
 
@@ -71,7 +72,7 @@ class FusedRMSNorm:
 
 def _fusable(norm: nn.Module) -> bool:
     """Whether ``norm(x + residual)`` may run as ``norm.add_forward``: a fused norm that no hook watches."""
-    return isinstance(norm, FusedRMSNorm) and not _hooked(norm)
+    return isinstance(norm, FusedRMSNorm) and not hooked(norm)
 
 
 def _take_primed(hidden_states: Tensor, norm: nn.Module) -> Tensor | None:

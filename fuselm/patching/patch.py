@@ -1,416 +1,36 @@
 """``fuselm.patch(model)``: fused ops in one Hugging Face model instance, recognised by structure.
 
-One generic path for every family. Candidates are found by HF's class-naming convention
-(``*RMSNorm``, ``*Attention``, ``*MLP``, ``*DecoderLayer``); what each computes is read from its
-attributes, its config and the family table (:mod:`fuselm.patching.families`), and checked by a
-probe where the table does not vouch for it:
+One generic path for every family: :mod:`~fuselm.patching.recognise` decides per module which fused
+subclass (:mod:`~fuselm.patching.classes`) it gets, from its structure, a probe and the family table
+(:mod:`~fuselm.patching.families`); :class:`~fuselm.patching.report.PatchReport` says what was done.
 
-- RMSNorm: always probed, once per class and plain-valued settings (eps, flags), on a CPU copy,
-  against fuselm's reference under the table's casting/offset (or, for a family not in the table,
-  each known one): fp32 and bf16 inputs, fp32 and bf16 weights, an eps that matters. Patched only on
-  bit-exact agreement.
-- RoPE: the module-level ``apply_rotary_pos_emb`` that the attention forward calls is probed (full
-  and partial rotary width) against fuselm's reference. The attention class gets a copy of HF's own
-  forward whose globals map that one name to fuselm's drop-in; nothing else of the forward changes.
-- MLP: the activation module is probed (SiLU or tanh-GELU); for a family not in the table the whole
-  forward is also run once on the module's device, HF's against fuselm's, before patching.
-- Decoder layer: only families in the table (parallel-residual and post-norm layers stay HF's).
-
-A module is patched by swapping its ``__class__`` to a subclass of its own class, made once per class,
-with the same name, so the object, its parameters, buffers, hooks and names do not change: state_dict
-keys, ``save_pretrained``, ``print(model)``, PEFT target names and hooks stay as they were, and
-:func:`unpatch` restores the original class. Nothing outside the model changes: no module globals,
-no attributes of HF classes. A subclass of a ``GradientCheckpointingLayer`` gets its forward wrapped
-for checkpointing by transformers itself (>= 5.23 wraps ``forward`` when a class is created; older
-versions checkpoint in ``__call__``), so gradient checkpointing keeps working.
+Nothing outside the model changes: no module globals, no attributes of HF classes. A subclass of a
+``GradientCheckpointingLayer`` gets its forward wrapped for checkpointing by transformers itself
+(>= 5.23 wraps ``forward`` when a class is created; older versions checkpoint in ``__call__``), so
+gradient checkpointing keeps working.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
-import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fuselm.backend import path_name, use_backend
-from fuselm.ops.rms_norm import CASTINGS, rms_norm_reference
-from fuselm.ops.rope import rope_reference
-from fuselm.patching.families import Family, family_name, family_of
-from fuselm.patching.loss import fused_causal_lm_class, loss_unsupported_reason
-from fuselm.patching.modules import (
-    NEXT_NORM,
-    FusedDecoderLayer,
-    FusedGatedMLP,
-    FusedRMSNorm,
-    LayerSpec,
-    MlpSpec,
-    NormSpec,
-    fused_apply_rotary_pos_emb,
-    gated_mlp,
-)
+from fuselm.backend import path_name
+from fuselm.patching.classes import ORIGINAL
+from fuselm.patching.families import family_of
+from fuselm.patching.modules import NEXT_NORM, FusedDecoderLayer
+from fuselm.patching.recognise import Recogniser, kind_of
+from fuselm.patching.report import KindReport, PatchReport
 
-KINDS = ("rms_norm", "rope", "mlp", "decoder_layer", "loss")
-_CLASS_SUFFIX = {"rms_norm": "rmsnorm", "rope": "attention", "mlp": "mlp", "decoder_layer": "decoderlayer",
-                 "loss": "forcausallm"}
-_ORIGINAL = "_fuselm_original"  # class attribute of every fused subclass: the HF class it extends
-_ROPE_FUNCTION = "apply_rotary_pos_emb"
+# The kinds of module, patched phase by phase: a decoder layer fuses into the norms patched before it.
+MODULE_PHASE = ("rms_norm", "rope", "mlp")
+LAYER_PHASE = ("decoder_layer", "loss")
+PHASES = (MODULE_PHASE, LAYER_PHASE)
+KINDS = MODULE_PHASE + LAYER_PHASE
 
 
-# ----------------------------------------------------------------------------------- report
-@dataclass
-class KindReport:
-    """Modules of one kind: how many there are, how many were patched, why the others were left alone."""
-
-    patched: int = 0
-    total: int = 0
-    left_alone: dict[str, int] = field(default_factory=dict)  # reason -> number of modules
-
-    def leave(self, reason: str) -> None:
-        self.left_alone[reason] = self.left_alone.get(reason, 0) + 1
-
-
-@dataclass
-class PatchReport:
-    """What :func:`patch` did, per kind of module (``report["mlp"].patched``); ``print`` it to read it."""
-
-    model: str
-    ops_path: str
-    kinds: dict[str, KindReport]
-
-    def __getitem__(self, kind: str) -> KindReport:
-        return self.kinds[kind]
-
-    def __str__(self) -> str:
-        lines = [f"fuselm.patch({self.model}): fused ops run on {self.ops_path}"]
-        width = max(len(kind) for kind in self.kinds) + 1
-        for kind, entry in self.kinds.items():
-            line = f"  {kind + ':':<{width}} {entry.patched}/{entry.total}"
-            if entry.left_alone:
-                line += " — " + "; ".join(f"{reason} ({n})" for reason, n in entry.left_alone.items())
-            lines.append(line)
-        return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------- fused subclasses
-_SUBCLASSES: dict[tuple, type] = {}
-
-
-def _fused_subclass(original: type, mixin: type | None, **namespace) -> type:
-    """The subclass of ``original`` (in front: ``mixin``) with ``namespace``; one per distinct request."""
-    key = (original, mixin, tuple(sorted(namespace.items())))
-    if key not in _SUBCLASSES:
-        bases = (mixin, original) if mixin is not None else (original,)
-        _SUBCLASSES[key] = type(original.__name__, bases, {
-            "__module__": original.__module__, "__qualname__": original.__qualname__,
-            "__doc__": original.__doc__, _ORIGINAL: original, **namespace})
-    return _SUBCLASSES[key]
-
-
-def _with_global(func: Callable, name: str, value: object) -> Callable | None:
-    """A copy of ``func`` that sees ``value`` for its global ``name``; None if its wrappers are unfamiliar.
-
-    ``functools.wraps`` wrappers around ``func`` (transformers' ``deprecate_kwarg``, ...) are copied
-    too, each holding the copy of what it wrapped, so their behaviour is kept. The copy's globals are
-    a snapshot of the module's, taken now.
-    """
-    if not isinstance(func, types.FunctionType):
-        return None
-    inner = getattr(func, "__wrapped__", None)
-    if inner is None:
-        if name not in func.__code__.co_names:
-            return None
-        # No "__name__": tools that resolve globals through the module of that name (torch.compile's
-        # guards) would read the module's own binding instead of this copy's.
-        scope = {key: v for key, v in func.__globals__.items() if key != "__name__"}
-        scope[name] = value
-        clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-    else:
-        new_inner = _with_global(inner, name, value)
-        cells = func.__closure__ or ()
-        holders = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
-        if new_inner is None or len(holders) != 1:
-            return None
-        closure = tuple(types.CellType(new_inner) if i == holders[0] else cell for i, cell in enumerate(cells))
-        clone = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, closure)
-    clone.__kwdefaults__ = copy.copy(func.__kwdefaults__)
-    clone.__dict__.update(func.__dict__)
-    if inner is not None:
-        clone.__wrapped__ = new_inner
-    for attribute in ("__qualname__", "__doc__", "__module__", "__annotations__"):
-        setattr(clone, attribute, getattr(func, attribute))
-    return clone
-
-
-def _cell_holds(cell: types.CellType, value: object) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
-
-
-# ----------------------------------------------------------------------------------- probes
-_NORM_ARITHMETIC = (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("llama", 1.0), ("none", 0.0))
-_PROBE_EPS = 1e-2  # large enough to change every probe row's result if the class used another eps
-_GLU_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-_PROBE_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}  # relative; half types: 2e-2
-
-
-def _probe_norm(cls: type, module: nn.Module, eps_attr: str,
-                candidates: tuple[tuple[str, float], ...]) -> NormSpec | None:
-    """The first (casting, offset) whose fuselm reference equals ``cls.forward`` bit for bit, if any."""
-    stand_in = copy.deepcopy(module)
-    setattr(stand_in, eps_attr, _PROBE_EPS)
-    hidden = module.weight.shape[0]
-    generator = torch.Generator().manual_seed(0)
-    row_scales = torch.tensor([[0.05], [1.0], [20.0], [0.3]])
-    x = torch.randn(4, hidden, generator=generator) * row_scales
-    w = 0.1 + 0.5 * torch.randn(hidden, generator=generator)
-    remaining = list(candidates)
-    with torch.no_grad():
-        for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                 (torch.bfloat16, torch.float32)):
-            stand_in.weight = nn.Parameter(w.to(w_dtype), requires_grad=False)
-            xs = x.to(x_dtype)
-            expected = cls.forward(stand_in, xs)
-            remaining = [(casting, offset) for casting, offset in remaining
-                         if _identical(rms_norm_reference(xs, stand_in.weight, _PROBE_EPS, offset, casting), expected)]
-    return NormSpec(eps_attr, *remaining[0]) if remaining else None
-
-
-def _identical(a: object, b: object) -> bool:
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _close(out: object, ref: torch.Tensor) -> bool:
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or out.dtype != ref.dtype:
-        return False
-    err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
-    return bool(err <= _PROBE_TOLERANCE.get(ref.dtype, 2e-2))  # NaN fails
-
-
-def _probe_activation(act: object) -> str | None:
-    """Which fused GLU activation ``act`` computes ("silu", "gelu_tanh"), or None."""
-    if not callable(act):
-        return None
-    x = torch.linspace(-8.0, 8.0, 161)
-    try:
-        y = act(x)
-    except Exception:  # an activation with parameters elsewhere, or not elementwise: no fused kernel
-        return None
-    for name, reference in _GLU_ACTIVATIONS.items():
-        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, reference(x), rtol=1e-5, atol=1e-6):
-            return name
-    return None
-
-
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def _probe_mlp(cls: type, module: nn.Module, spec: MlpSpec) -> str | None:
-    """None if fuselm's gated MLP equals ``cls.forward`` on this module, else why it does not."""
-    parameter = next(module.parameters(), None)
-    if parameter is None or parameter.device.type == "meta":
-        return "not probed: its weights are not materialised (family not in fuselm's table)"
-    first = getattr(module, spec.inputs[0])
-    hidden = getattr(first, "in_features", None)
-    if not isinstance(hidden, int):
-        return "not probed: unknown input size (family not in fuselm's table)"
-    dtype = parameter.dtype if parameter.is_floating_point() else torch.float32
-    x = torch.randn(2, 3, hidden, generator=torch.Generator().manual_seed(0)).to(parameter.device, dtype)
-    try:
-        with torch.no_grad(), _eval_mode(module), use_backend("reference"):
-            agree = _close(gated_mlp(module, spec, x), cls.forward(module, x))
-    except Exception as error:  # foreign code on a probe input: not recognised
-        return f"probe failed ({type(error).__name__}; family not in fuselm's table)"
-    return None if agree else "forward differs from a gated MLP (family not in fuselm's table)"
-
-
-def _probe_rope(original: Callable) -> tuple[Callable | None, str]:
-    """fuselm's drop-in for the HF function ``original``, or None and why not."""
-    try:
-        parameters = list(inspect.signature(original).parameters)
-    except (TypeError, ValueError):
-        parameters = []
-    if parameters != ["q", "k", "cos", "sin", "unsqueeze_dim"]:
-        return None, f"{_ROPE_FUNCTION}({', '.join(parameters)}) has an unfamiliar signature"
-    generator = torch.Generator().manual_seed(0)
-    head_dim = 16
-    q = torch.randn(2, 3, 5, head_dim, generator=generator)
-    k = torch.randn(2, 2, 5, head_dim, generator=generator)
-    cos = torch.randn(2, 5, head_dim, generator=generator)
-    sin = torch.randn(2, 5, head_dim, generator=generator)
-    agree = {}
-    for rotary_dim in (head_dim, head_dim // 2):
-        c, s = cos[..., :rotary_dim], sin[..., :rotary_dim]
-        try:
-            with torch.no_grad():
-                expected = original(q, k, c, s)
-        except Exception:  # e.g. Llama's function given a partial width: it never gets one
-            agree[rotary_dim] = False
-            continue
-        got = rope_reference(q, k, c, s)
-        agree[rotary_dim] = (isinstance(expected, tuple) and len(expected) == 2
-                             and all(_close(e, g) for e, g in zip(expected, got)))
-    if not agree[head_dim]:
-        return None, f"{_ROPE_FUNCTION} does not compute rotate_half RoPE"
-    return fused_apply_rotary_pos_emb(original, partial=agree[head_dim // 2]), ""
-
-
-# ----------------------------------------------------------------------------------- recognition
-class _Recogniser:
-    """Decides, per module, the fused class it gets or why it is left alone (a str). Caches per class."""
-
-    def __init__(self, decoder_layer_needs_norms: bool):
-        self.norm_specs: dict[tuple, NormSpec | None] = {}  # probes run once per class and settings
-        self.mlp_verdicts: dict[tuple, str | None] = {}
-        self.rope_fused: dict[Callable, tuple[Callable | None, str]] = {}
-        self.norms_enabled = decoder_layer_needs_norms
-
-    def rms_norm(self, module: nn.Module) -> type | str:
-        cls, family = type(module), family_of(type(module))
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
-            return "no 1-D floating-point weight"
-        eps_attr = next((a for a in ("variance_epsilon", "eps") if isinstance(getattr(module, a, None), float)), None)
-        if eps_attr is None:
-            return "no float eps attribute (variance_epsilon or eps)"
-        key = (cls, _settings(module))
-        if key not in self.norm_specs:
-            candidates = ((family.norm_casting, family.norm_offset),) if family else _NORM_ARITHMETIC
-            try:
-                self.norm_specs[key] = _probe_norm(cls, module, eps_attr, candidates)
-            except Exception:  # foreign code on a probe input: not recognised
-                self.norm_specs[key] = None
-        spec = self.norm_specs[key]
-        if spec is None:
-            expected = (f"the table's {family.norm_casting} casting with offset {family.norm_offset}" if family
-                        else f"any of fuselm's castings {CASTINGS} with offset 0 or 1")
-            return f"{cls.__name__} does not compute {expected}"
-        return _fused_subclass(cls, FusedRMSNorm, _fuselm_norm=spec)
-
-    def mlp(self, module: nn.Module) -> type | str:
-        cls, family = type(module), family_of(type(module))
-        layout = family or _gated_layout(module)
-        if layout is None or not all(isinstance(getattr(module, n, None), nn.Module)
-                                     for n in (*layout.mlp_inputs, layout.mlp_output)):
-            return "not a gated MLP (no gate/up/down projections)"
-        act = getattr(module, layout.mlp_activation, None)
-        activation = _probe_activation(act)
-        if activation is None:
-            return f"{_activation_name(module, layout, act)} has no fused kernel"
-        spec = MlpSpec(layout.mlp_inputs, layout.mlp_output, activation)
-        if family is None:
-            key = (cls, spec, _settings(module))
-            if key not in self.mlp_verdicts:
-                self.mlp_verdicts[key] = _probe_mlp(cls, module, spec)
-            if self.mlp_verdicts[key] is not None:
-                return self.mlp_verdicts[key]
-        return _fused_subclass(cls, FusedGatedMLP, _fuselm_mlp=spec)
-
-    def rope(self, module: nn.Module) -> type | str:
-        cls = type(module)
-        forward = cls.forward
-        raw = inspect.unwrap(forward)
-        if not isinstance(raw, types.FunctionType) or _ROPE_FUNCTION not in raw.__code__.co_names:
-            return f"its forward does not call {_ROPE_FUNCTION}"
-        original = raw.__globals__.get(_ROPE_FUNCTION)
-        if not callable(original):
-            return f"{_ROPE_FUNCTION} is not a function in {raw.__module__}"
-        if original not in self.rope_fused:
-            self.rope_fused[original] = _probe_rope(original)
-        fused, reason = self.rope_fused[original]
-        if fused is None:
-            return reason
-        if cls not in _ROPE_FORWARDS:
-            _ROPE_FORWARDS[cls] = _with_global(forward, _ROPE_FUNCTION, fused)
-        rebuilt = _ROPE_FORWARDS[cls]
-        if rebuilt is None:
-            return "its forward is wrapped in an unfamiliar way"
-        return _fused_subclass(cls, None, forward=rebuilt)
-
-    def decoder_layer(self, module: nn.Module) -> type | str:
-        cls, family = type(module), family_of(type(module))
-        if family is None:
-            return f"family {family_name(cls) or cls.__module__!r} is not in fuselm's table"
-        if not self.norms_enabled:
-            return "needs rms_norm=True"
-        names = ["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"]
-        if family.sandwich_norms:
-            names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        names += list(family.residual_dropouts or ())
-        missing = [name for name in names if not isinstance(getattr(module, name, None), nn.Module)]
-        if missing:
-            return f"no {missing[0]} submodule"
-        fusion_norm = "pre_feedforward_layernorm" if family.sandwich_norms else "post_attention_layernorm"
-        if not isinstance(getattr(module, fusion_norm), FusedRMSNorm):
-            return f"its {fusion_norm} is not a fused RMSNorm"
-        parameters = _parameters(cls.forward)
-        if len(parameters) < 2 or parameters[1].name != "hidden_states":
-            return "its forward does not take hidden_states first"
-        positional = tuple(p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        layer_defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-        required = [p.name for p in _parameters(type(module.self_attn).forward)[2:]
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        attention_defaults = tuple((name, layer_defaults[name]) for name in required if name in layer_defaults)
-        if not all(isinstance(default, _PLAIN) for _, default in attention_defaults):
-            return "its forward has unfamiliar defaults for what self_attn requires"
-        spec = LayerSpec(positional, attention_defaults, family.sandwich_norms, family.residual_dropouts)
-        return _fused_subclass(cls, FusedDecoderLayer, _fuselm_layer=spec)
-
-    def loss(self, module: nn.Module) -> type | str:
-        reason = loss_unsupported_reason(module)
-        return reason if reason is not None else fused_causal_lm_class(type(module))
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _settings(module: nn.Module) -> tuple:
-    """The module's plain-valued public attributes (eps, sizes, flags): with its class, what a probe covers."""
-    return tuple(sorted((name, value) for name, value in vars(module).items()
-                        if not name.startswith("_") and isinstance(value, _PLAIN)))
-
-
-def _parameters(method: Callable) -> list[inspect.Parameter]:
-    return list(inspect.signature(inspect.unwrap(method)).parameters.values())
-
-
-_ROPE_FORWARDS: dict[type, Callable | None] = {}  # attention class -> its forward seeing fuselm's rope
-_GATED_LAYOUTS = (Family(), Family(mlp_inputs=("gate_up_proj",), mlp_activation="activation_fn"))
-
-
-def _gated_layout(module: nn.Module) -> Family | None:
-    """For a family not in the table: the first known gated-MLP attribute layout the module has."""
-    for layout in _GATED_LAYOUTS:
-        if all(hasattr(module, name) for name in (*layout.mlp_inputs, layout.mlp_output, layout.mlp_activation)):
-            return layout
-    return None
-
-
-def _activation_name(module: nn.Module, layout: Family, act: object) -> str:
-    config = getattr(module, "config", None)
-    for key in (layout.activation_config, "hidden_act", "hidden_activation"):
-        value = getattr(config, key, None)
-        if isinstance(value, str):
-            return f"{key} {value!r}"
-    return f"activation {type(act).__name__}"
-
-
-# ----------------------------------------------------------------------------------- public API
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True,
           decoder_layer: bool = True, loss: bool = True) -> PatchReport:
     """Route this model instance's matching modules to fuselm's fused ops; returns what was done.
@@ -444,11 +64,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     unpatch(model)
     enabled = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "decoder_layer": decoder_layer, "loss": loss}
     kinds = {kind: KindReport() for kind in KINDS}
-    recogniser = _Recogniser(decoder_layer_needs_norms=rms_norm)
-    for pass_kinds in (KINDS[:3], KINDS[3:]):  # decoder layers after the norms they fuse into
+    recogniser = Recogniser(decoder_layer_needs_norms=rms_norm)
+    for phase in PHASES:
         for module in model.modules():
-            kind = _kind_of(type(module))
-            if kind not in pass_kinds:
+            kind = kind_of(type(module))
+            if kind not in phase:
                 continue
             entry = kinds[kind]
             entry.total += 1
@@ -477,7 +97,7 @@ def unpatch(model: nn.Module) -> int:
     """Restore every module of ``model`` that :func:`patch` changed; returns how many were restored."""
     restored = 0
     for module in model.modules():
-        original = type(module).__dict__.get(_ORIGINAL)
+        original = type(module).__dict__.get(ORIGINAL)
         if original is not None:
             module.__class__ = original
             restored += 1
@@ -493,14 +113,6 @@ def patched(model: nn.Module, **options: bool) -> Iterator[PatchReport]:
         yield report
     finally:
         unpatch(model)
-
-
-def _kind_of(cls: type) -> str | None:
-    name = cls.__name__.lower()
-    kind = next((kind for kind, suffix in _CLASS_SUFFIX.items() if name.endswith(suffix)), None)
-    if kind == "loss" and not any(base.__name__ == "PreTrainedModel" for base in cls.__mro__):
-        return None  # e.g. PEFT's PeftModelForCausalLM: the HF model inside it is the one to patch
-    return kind
 
 
 def _link_next_norms(model: nn.Module) -> None:

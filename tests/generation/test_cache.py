@@ -12,11 +12,9 @@ import fuselm
 from fuselm.generation import FusedKVCache
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.patching.tiny_models import FAMILIES, tiny_model, token_ids
+from tests.models import FUSED_LAYERS, tiny_model, token_ids
 
-# tiny_models has no Gemma (v1) entry yet: added here for the duration of a model's construction
-EXTRA_FAMILIES = {} if "gemma" in FAMILIES else {"gemma": ("gemma", {"head_dim": 24})}
-FAMILY_NAMES = list(FAMILIES) + list(EXTRA_FAMILIES)
+FAMILY_NAMES = FUSED_LAYERS
 SLIDING = ("mistral", "gemma2", "gemma3")
 
 PADS = (4, 1, 0)  # left padding of each row: rows of 5, 8 and 9 tokens, windows of 6
@@ -24,8 +22,7 @@ PROMPT, NEW = 9, 12
 
 
 def family_model(name: str, **overrides) -> torch.nn.Module:
-    with mock.patch.dict(FAMILIES, EXTRA_FAMILIES):
-        model = tiny_model(name, **overrides)
+    model = tiny_model(name, **overrides)
     model.generation_config.eos_token_id = None  # always NEW tokens
     return model
 

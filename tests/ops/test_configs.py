@@ -89,7 +89,7 @@ def _check_glu():
         assert_close(dgate_up, dgate_up64, torch.float32, "dgate_up")
 
 
-FAMILIES = [  # (name, the kernel whose configs are forced, a check that runs it)
+CONFIG_CHECKS = [  # (name, the kernel whose configs are forced, a check that runs it)
     ("rms_norm_fwd", rms_norm._rms_norm_fwd_kernel, _check_rms_norm),
     ("rms_norm_bwd", rms_norm._rms_norm_bwd_kernel, _check_rms_norm),
     ("add_rms_norm_fwd", rms_norm._rms_norm_fwd_kernel, _check_add_rms_norm),
@@ -108,7 +108,7 @@ def _config_id(config):
 
 @pytest.mark.parametrize(("kernel", "check", "index"), [
     pytest.param(kernel, check, index, id=f"{name}-{_config_id(config)}")
-    for name, kernel, check in FAMILIES for index, config in enumerate(kernel.configs)
+    for name, kernel, check in CONFIG_CHECKS for index, config in enumerate(kernel.configs)
 ])
 def test_every_config_matches_float64(kernel, check, index):
     configs = kernel.configs

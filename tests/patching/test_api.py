@@ -4,6 +4,7 @@ of families and modules nobody listed, profiling, torch.compile and the FUSELM_B
 import copy
 import gc
 import os
+import pickle
 import subprocess
 import sys
 import weakref
@@ -15,10 +16,14 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.llama import modeling_llama
 
 import fuselm
+from fuselm.patching import recognise
 from fuselm.patching.modules import NEXT_NORM
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.patching.tiny_models import UNLISTED, tiny_model, token_ids
+from tests.models import MIXTURE_OF_EXPERTS, UNLISTED, tiny_model, token_ids
+from tests.patching.test_families import assert_same_training_step, loss_logits_grads
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def logits(model, ids=None, **kwargs):
     with torch.no_grad():
@@ -42,9 +47,41 @@ def test_report_says_per_kind_what_was_left_alone_and_why():
     report = fuselm.patch(model)
     assert (report["mlp"].patched, report["mlp"].total) == (0, 2)
     assert report["mlp"].left_alone == {"hidden_act 'relu' has no fused kernel": 2}
-    assert "mlp:           0/2 — hidden_act 'relu' has no fused kernel (2)" in str(report)
-    assert "rms_norm:      5/5\n" in str(report) and str(report).startswith("fuselm.patch(LlamaForCausalLM)")
+    device = torch.device(DEVICE).type
+    ops = f"PyTorch reference ({device})" if device == "cpu" else f"Triton ({torch.cuda.get_device_name()})"
+    assert str(report) == "\n".join([
+        f"fuselm.patch(LlamaForCausalLM) — ops: {ops}",
+        "  rms_norm:      5/5",
+        "  rope:          2/2",
+        "  mlp:           0/2",
+        "                   2 × hidden_act 'relu' has no fused kernel",
+        "  decoder_layer: 2/2",
+        "  loss:          1/1",
+    ])
     assert rel_err(logits(model), expected) <= 1e-6
+
+
+@pytest.mark.parametrize("name", MIXTURE_OF_EXPERTS)
+def test_mixture_of_experts_blocks_are_counted_and_left_to_hf(name):
+    model = tiny_model(name)
+    expected = logits(model)
+    report = fuselm.patch(model)
+    shared_experts = 2 if name == "qwen2_moe" else 0  # Qwen2-MoE's shared expert is a plain gated MLP
+    assert (report["mlp"].patched, report["mlp"].total) == (shared_experts, 2 + shared_experts)
+    assert report["mlp"].left_alone == {"mixture-of-experts block (4 experts): experts left to HF": 2}
+    assert "\n                   2 × mixture-of-experts block (4 experts): experts left to HF\n" in str(report)
+    assert report["rms_norm"].patched == report["rms_norm"].total > 0 and report["rope"].patched == 2
+    assert rel_err(logits(model), expected) <= 1e-6
+
+
+def test_a_model_with_nothing_recognised_says_so():
+    report = fuselm.patch(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert all(entry.total == 0 for entry in report.kinds.values())
+    assert str(report).splitlines()[1:] == [
+        "  nothing recognised: no module is named like an HF RMSNorm, Attention, MLP, DecoderLayer or ForCausalLM"]
+    report = fuselm.patch(tiny_model("llama"), rms_norm=False, rope=False, mlp=False, loss=False)
+    assert str(report).endswith("\n  nothing patched")
+    assert report["decoder_layer"].left_alone == {"needs rms_norm=True": 2}
 
 
 def test_gemma_exact_gelu_is_not_mistaken_for_its_tanh_approximation():
@@ -129,6 +166,62 @@ def test_patching_one_model_leaves_another_and_the_hf_classes_untouched():
                                      modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)] == hf_class_dicts
     fresh = tiny_model("llama")
     assert fused_op_counts(lambda: logits(fresh)) == {}
+
+
+def test_torch_save_of_a_patched_model_loads_patched_in_a_fresh_process(tmp_path):
+    """Pickle stores each fused module as a reference to fuselm and its HF class; loading makes the fused
+    subclasses again, so the loaded model is patched, links its layers to its own norms, and unpatches."""
+    model = tiny_model("gemma3").train()  # sandwich norms, q/k norms, and the fused loss in training
+    ids = token_ids()
+    expected = loss_logits_grads(model, ids)
+    fuselm.patch(model)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save((ids, expected), tmp_path / "expected.pt")
+    script = (
+        "import sys, torch, fuselm\n"
+        "from fuselm.patching.modules import NEXT_NORM\n"
+        "from tests.patching.test_families import assert_same_training_step, loss_logits_grads\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "ids, expected = torch.load(sys.argv[2], weights_only=False)\n"
+        "layers = model.model.layers\n"
+        "assert layers[0].__dict__[NEXT_NORM] is layers[1].input_layernorm\n"
+        "assert layers[1].__dict__[NEXT_NORM] is model.model.norm\n"
+        "with fuselm.use_backend('triton'):\n"
+        "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
+        "        got = loss_logits_grads(model, ids)\n"
+        "assert_same_training_step(got, expected, tolerance=1e-6)\n"
+        "ran = {e.name for e in prof.events() if e.name.startswith('fuselm::')}\n"
+        "assert {'fuselm::add_rms_norm', 'fuselm::rope', 'fuselm::glu', 'fuselm::linear_cross_entropy'} <= ran, ran\n"
+        "print(fuselm.unpatch(model))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt"), str(tmp_path / "expected.pt")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False, cwd=REPOSITORY)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "20"  # 13 norms, 2 attentions, 2 MLPs, 2 decoder layers, the loss
+
+
+def test_pickling_and_copying_keep_a_patched_model_patched():
+    model = tiny_model("phi3")
+    expected = logits(model)
+    fuselm.patch(model)
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert classes(twin) == classes(model)
+        assert rel_err(logits(twin), expected) <= 1e-6
+        assert fuselm.unpatch(twin) == 12 and not patched_modules(twin)
+
+
+def test_a_fused_class_that_cannot_be_made_again_on_load_says_what_to_do(monkeypatch):
+    model = tiny_model("llama")
+    fuselm.patch(model)
+    saved = pickle.dumps(model)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))  # as if HF changed
+    recognise._probe_rope.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="fused subclass of LlamaAttention .*save_pretrained.*fuselm.unpatch"):
+            pickle.loads(saved)
+    finally:
+        recognise._probe_rope.cache_clear()
 
 
 def test_names_state_dict_print_and_save_pretrained_stay_as_they_were(tmp_path):
@@ -298,27 +391,34 @@ def test_both_cache_keyword_names_pass_through_the_decoder_layer(keyword):
 
 
 # ----------------------------------------------------------------------------------- recognition
-@pytest.mark.parametrize("name", list(UNLISTED))
+@pytest.mark.parametrize("name", UNLISTED)
 def test_unlisted_families_get_what_is_recognised_and_compute_the_same(path, name):
     model = tiny_model(name).train()
     ids = token_ids()
-    expected = model(ids, labels=ids)
-    expected.loss.backward()
-    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    expected = loss_logits_grads(model, ids)
     report = fuselm.patch(model)
-    got = model(ids, labels=ids)
-    got.loss.backward()
-    assert rel_err(got.loss, expected.loss) <= 1e-6
-    assert rel_err(model(ids).logits, expected.logits) <= 1e-6
-    assert all(rel_err(p.grad, expected_grads[n]) <= 1e-5 for n, p in model.named_parameters())
+    assert_same_training_step(loss_logits_grads(model, ids), expected, tolerance=1e-6)
     assert report["decoder_layer"].left_alone == {f"family {name!r} is not in fuselm's table": 2}
+    assert report["loss"].left_alone == {f"{type(model).__name__}.forward: family {name!r} is not in fuselm's table": 1}
     assert report["mlp"].patched == 2
     if name == "cohere":  # interleaved RoPE and LayerNorm: nothing to route
         assert report["rope"].left_alone == {"apply_rotary_pos_emb does not compute rotate_half RoPE": 2}
         assert report["rms_norm"].total == 0
     else:
         assert report["rope"].patched == 2 and report["rms_norm"].patched == report["rms_norm"].total > 0
+
+
+def test_a_post_norm_family_keeps_its_layers_and_fuses_the_rest(path):
+    """OLMo2 norms each branch before its residual add: no add feeds a norm, so its layers stay HF's."""
+    model = tiny_model("olmo2").train()
+    ids = token_ids()
+    expected = loss_logits_grads(model, ids)
+    report = fuselm.patch(model)
+    assert_same_training_step(loss_logits_grads(model, ids), expected, tolerance=1e-6)
+    assert report["decoder_layer"].left_alone == {
+        "its norms follow attention and MLP (post-norm): no residual add feeds a norm": 2}
+    assert [(report[kind].patched, report[kind].total) for kind in ("rms_norm", "rope", "mlp", "loss")] == [
+        (9, 9), (2, 2), (2, 2), (1, 1)]  # q_norm, k_norm and two norms per layer, and the final norm
 
 
 class ToyRMSNorm(nn.Module):
@@ -406,7 +506,7 @@ def test_reference_backend_runs_the_same_patched_model_without_fused_kernels():
 def test_fuselm_backend_environment_variable_selects_the_references():
     script = (
         "import torch, fuselm\n"
-        "from tests.patching.tiny_models import tiny_model, token_ids\n"
+        "from tests.models import tiny_model, token_ids\n"
         "model = tiny_model('llama')\n"
         "expected = model(token_ids()).logits\n"
         "report = fuselm.patch(model)\n"
@@ -418,9 +518,9 @@ def test_fuselm_backend_environment_variable_selects_the_references():
     )
     env = {**os.environ, "FUSELM_BACKEND": "reference", "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                          check=False, cwd=REPOSITORY)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith(f"reference PyTorch reference on {torch.device(DEVICE).type}")
+    assert done.stdout.strip().endswith(f"reference PyTorch reference ({torch.device(DEVICE).type})")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])

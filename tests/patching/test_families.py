@@ -6,9 +6,7 @@ import torch
 
 import fuselm
 from tests.helpers import rel_err
-from tests.patching.tiny_models import FAMILIES, tiny_model, token_ids
-
-FAMILY_NAMES = list(FAMILIES)
+from tests.models import FUSED_LAYERS, tiny_model, token_ids
 
 
 def loss_logits_grads(model, ids):
@@ -32,16 +30,24 @@ def assert_same_training_step(got, expected, tolerance):
     assert errors[worst] <= 10 * tolerance, f"gradient of {worst}: {errors[worst]:.2e}"
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+# Two norms per layer, two more where they sandwich each branch (Gemma 2/3) or norm q and k (Qwen3, Gemma3),
+# and the final norm.
+NORMS = {"qwen3": 9, "gemma2": 9, "gemma3": 13}
+
+
+@pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_every_module_of_a_listed_family_is_patched(name):
     report = fuselm.patch(tiny_model(name))
-    for kind in ("rms_norm", "rope", "mlp", "decoder_layer"):
-        entry = report[kind]
-        assert entry.total > 0 and entry.patched == entry.total, f"{kind}: {entry}"
-    assert "rms_norm:" in str(report) and "decoder_layer: 2/2" in str(report)
+    counts = {kind: (entry.patched, entry.total) for kind, entry in report.kinds.items()}
+    norms = NORMS.get(name, 5)
+    assert counts == {"rms_norm": (norms, norms), "rope": (2, 2), "mlp": (2, 2), "decoder_layer": (2, 2),
+                      "loss": (1, 1)}
+    assert all(entry.left_alone == {} for entry in report.kinds.values())
+    assert str(report).splitlines()[1:] == [f"  rms_norm:      {norms}/{norms}", "  rope:          2/2",
+                                            "  mlp:           2/2", "  decoder_layer: 2/2", "  loss:          1/1"]
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_logits_loss_and_every_gradient_match_unpatched(path, name):
     model = tiny_model(name).train()
     ids = token_ids()
@@ -74,7 +80,7 @@ def greedy(model, cache):
                           pad_token_id=0)
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", FUSED_LAYERS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_generate_of_left_padded_batch_gives_identical_tokens(name, cache):
     model = tiny_model(name)
@@ -94,7 +100,7 @@ def test_greedy_generate_through_triton_kernels(name):
         assert torch.equal(greedy(model, "dynamic"), expected)
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_norms_and_mlps_round_like_hf_in_bf16(path, name):
     """Casting mistakes (Llama rounds the normalised x, Gemma the product) only show in low precision."""
     model = tiny_model(name, dtype=torch.bfloat16)

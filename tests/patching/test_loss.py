@@ -10,8 +10,7 @@ import inspect
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments,
-                          default_data_collator)
+from transformers import DynamicCache, Trainer, TrainingArguments, default_data_collator
 from transformers import modeling_utils
 
 import fuselm
@@ -19,9 +18,9 @@ from fuselm.patching import loss as fused_loss
 from fuselm.patching.loss import fused_causal_lm_class, loss_unsupported_reason
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.patching.tiny_models import VOCAB, tiny_model, token_ids
+from tests.models import VOCAB, tiny_model, token_ids
 
-FAMILIES = ["llama", "qwen2", "gemma2", "phi3"]
+SEMANTICS_FAMILIES = ["llama", "qwen2", "gemma2", "phi3"]  # every semantic of HF's loss in these
 # Gemma 2's cap small enough to bend the tiny model's logits (std ~1), so a missing cap would show.
 OVERRIDES = {"gemma2": dict(final_logit_softcapping=1.5)}
 FP32 = 1e-5  # relative error of fp32 against HF in float64
@@ -119,7 +118,7 @@ CASES = ["labels", "ignored", "shift_labels", "num_items_int", "num_items_tensor
 
 
 # ----------------------------------------------------------------------------------- HF's semantics
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", SEMANTICS_FAMILIES)
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_equal_hf_in_every_semantic(path, name, case, fused_calls):
     model = training_model(name)
@@ -154,17 +153,9 @@ def test_gemma2_soft_cap_matters_in_these_tests():
         assert rel_err(capped(ids, labels=ids).loss, uncapped(ids, labels=ids).loss) > 1e-2
 
 
-def tiny_gemma():
-    """Gemma (1), which tiny_models does not list, at the tiny models' sizes."""
-    config = AutoConfig.for_model("gemma", vocab_size=VOCAB, hidden_size=56, intermediate_size=90, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, initializer_range=0.1,
-                                  max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0)
-    return AutoModelForCausalLM.from_config(config).to(DEVICE).train()
-
-
 @pytest.mark.parametrize("name", ["llama3.1", "mistral", "qwen3", "gemma", "gemma3", "olmo2"])
 def test_the_other_read_families_equal_hf(path, name, fused_calls):
-    model = tiny_gemma() if name == "gemma" else training_model(name)
+    model = training_model(name)
     assert loss_unsupported_reason(model) is None
     inputs = case_inputs("num_items_tensor", token_ids())
     expected = loss_and_grads(hf_float64(model), **inputs)
@@ -406,11 +397,13 @@ def test_families_whose_forward_was_not_read_are_refused():
     for name in ("cohere", "granite"):  # logit_scale / logits_scaling between lm_head and the loss
         model = tiny_model(name)
         reason = loss_unsupported_reason(model)
-        assert reason is not None and "not a causal-LM forward fuselm has read" in reason
+        assert reason == f"{type(model).__name__}.forward: family {name!r} is not in fuselm's table"
         with pytest.raises(ValueError, match="original_cls"):
             fused_causal_lm_class(type(model))
     peft_model = lora_model("llama", ["q_proj"])
-    assert loss_unsupported_reason(peft_model).startswith(f"{type(peft_model).__name__}'s forward (peft.")
+    assert loss_unsupported_reason(peft_model) == (
+        f"{type(peft_model).__name__}.forward is peft.peft_model.PeftModel.forward, "
+        "not a transformers *ForCausalLM's")
 
 
 def test_lm_head_hooks_and_a_replaced_loss_function_fall_back(path, fused_calls):

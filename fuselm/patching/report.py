@@ -1,0 +1,44 @@
+"""What :func:`fuselm.patch` did: per kind of module, how many it patched and why it left the others alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KindReport:
+    """Modules of one kind: how many there are, how many were patched, why the others were left alone."""
+
+    patched: int = 0
+    total: int = 0
+    left_alone: dict[str, int] = field(default_factory=dict)  # reason -> number of modules
+
+    def leave(self, reason: str) -> None:
+        self.left_alone[reason] = self.left_alone.get(reason, 0) + 1
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did, per kind of module (``report["mlp"].patched``); ``print`` it to read it."""
+
+    model: str
+    ops_path: str
+    kinds: dict[str, KindReport]
+
+    def __getitem__(self, kind: str) -> KindReport:
+        return self.kinds[kind]
+
+    def __str__(self) -> str:
+        """One line per kind, ``patched/total``, and under it one line per reason, its count first."""
+        lines = [f"fuselm.patch({self.model}) — ops: {self.ops_path}"]
+        if not any(entry.total for entry in self.kinds.values()):
+            lines.append("  nothing recognised: no module is named like an HF RMSNorm, Attention, MLP, "
+                         "DecoderLayer or ForCausalLM")
+            return "\n".join(lines)
+        width = max(len(kind) for kind in self.kinds) + 1
+        for kind, entry in self.kinds.items():
+            lines.append(f"  {kind + ':':<{width}} {entry.patched}/{entry.total}")
+            lines += [f"  {'':<{width}}   {n} × {reason}" for reason, n in entry.left_alone.items()]
+        if not any(entry.patched for entry in self.kinds.values()):
+            lines.append("  nothing patched")
+        return "\n".join(lines)
