@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuselm.backend import runs_triton
+from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import (FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor,
                                 new_output)
 from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
@@ -52,6 +52,9 @@ MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernel
 # times both sides (--prologue-norm-max-rows).
 PROLOGUE_NORM_MAX_ROWS = 16
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+# Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
+# under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
+_INTERPRETER = tl.constexpr(INTERPRETING)
 
 
 # ----------------------------------------------------------------------------------- reference
@@ -155,9 +158,9 @@ def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner
     if HAS_NORM:
         normed = x.to(tl.float32) * rstd[:, None]
         if CAST_NORMED:
-            normed = normed.to(x.dtype).to(tl.float32)
+            normed = _cast(normed, x.dtype).to(tl.float32)
         weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
-        return (normed * weight[None, :]).to(OPERAND_DTYPE)
+        return _cast(normed * weight[None, :], OPERAND_DTYPE)
     return x.to(OPERAND_DTYPE)
 
 
@@ -166,6 +169,24 @@ def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner):
     """The [BLOCK_K, BLOCK_N] transposed tile W[weight_rows, cols].T, ready for tl.dot(x_tile, w_tile)."""
     return tl.load(w_ptr + weight_rows[None, :] * stride_wn + cols[:, None],
                    mask=rows_ok[None, :] & (cols[:, None] < n_inner), other=0.0)
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE), rounding to nearest even (by hand in the interpreter, whose fp32 -> bf16 cast truncates)."""
+    if _INTERPRETER and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _dot(x, w, acc):
+    """acc + x @ w with fp32 accumulation (fp32 operands in IEEE fp32, not TF32, as torch's matmul)."""
+    if _INTERPRETER and x.dtype == tl.bfloat16:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    return tl.dot(x, w, acc, input_precision="ieee")
 
 
 def _prune_dot_sizes(configs, named_args, **kwargs):
@@ -204,12 +225,12 @@ def _linear_residual_kernel(
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False, False,
                           w_ptr.dtype.element_ty)
-        acc = tl.dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc, input_precision="ieee")
+        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
     mask = row_ok[:, None] & col_ok[None, :]
     acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
@@ -238,15 +259,13 @@ def _norm_gated_kernel(
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
                           CAST_NORMED, gate_ptr.dtype.element_ty)
-        acc_gate = tl.dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate,
-                          input_precision="ieee")
-        acc_up = tl.dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up,
-                        input_precision="ieee")
+        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
+        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
     out_dtype = out_ptr.dtype.element_ty
-    gate = acc_gate.to(out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
+    gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
     activated, _ = _activation(gate, ACTIVATION)
-    result = activated * acc_up.to(out_dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], result.to(out_dtype),
+    result = activated * _cast(acc_up, out_dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(result, out_dtype),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -280,9 +299,9 @@ def _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr, stride_q, str
 def _head_norm(a, weight_ptr, cols, ok, rstd, offset, CAST_NORMED: tl.constexpr, DTYPE: tl.constexpr):
     normed = a * rstd[:, None]
     if CAST_NORMED:
-        normed = normed.to(DTYPE).to(tl.float32)
+        normed = _cast(normed, DTYPE).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32) + offset
-    return (normed * weight[None, :]).to(DTYPE).to(tl.float32)
+    return _cast(normed * weight[None, :], DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -329,10 +348,10 @@ def _finish_head(
         else:
             out, stride_d = v_cache_ptr + b * stride_vb + head * stride_vh + position * stride_vl, stride_vd
     mask = write[:, None] & ok1[None, :]
-    tl.store(out[:, None] + d1[None, :] * stride_d, a1.to(dtype), mask=mask)
-    tl.store(out[:, None] + (d1 + half)[None, :] * stride_d, a2.to(dtype), mask=mask)
+    tl.store(out[:, None] + d1[None, :] * stride_d, _cast(a1, dtype), mask=mask)
+    tl.store(out[:, None] + (d1 + half)[None, :] * stride_d, _cast(a2, dtype), mask=mask)
     if HAS_TAIL:
-        tl.store(out[:, None] + tail[None, :] * stride_d, tail_values.to(dtype), mask=write[:, None] & tail_ok[None, :])
+        tl.store(out[:, None] + tail[None, :] * stride_d, _cast(tail_values, dtype), mask=write[:, None] & tail_ok[None, :])
 
 
 @triton.jit
@@ -371,12 +390,10 @@ def _qkv_rope_kernel(
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
                           CAST_NORMED, wq_ptr.dtype.element_ty)
-        acc1 = tl.dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1, input_precision="ieee")
-        acc2 = tl.dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2,
-                      input_precision="ieee")
+        acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
+        acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
-            acc_tail = tl.dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail,
-                              input_precision="ieee")
+            acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
     if HAS_BIAS:
         _, _, b_ptr, _ = _select_head(slot, n_heads_q, n_heads_kv, bq_ptr, bk_ptr, bv_ptr, 0, 0, 0)
         acc1 += tl.load(b_ptr + rows_first, mask=ok1, other=0.0).to(tl.float32)[None, :]
@@ -385,7 +402,7 @@ def _qkv_rope_kernel(
             acc_tail += tl.load(b_ptr + rows_tail, mask=tail_ok, other=0.0).to(tl.float32)[None, :]
     dtype = q_out_ptr.dtype.element_ty
     _finish_head(
-        acc1.to(dtype).to(tl.float32), acc2.to(dtype).to(tl.float32), acc_tail.to(dtype).to(tl.float32), kind,
+        _cast(acc1, dtype).to(tl.float32), _cast(acc2, dtype).to(tl.float32), _cast(acc_tail, dtype).to(tl.float32), kind,
         head, rows, row_ok, d1, ok1, tail, tail_ok,
         q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         seq_len, head_dim, half, cache_len, head_eps, offset,
