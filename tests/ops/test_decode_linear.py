@@ -256,15 +256,15 @@ def test_empty_rows(path):
 
 # ----------------------------------------------------------------------------------- every autotune config
 def _check_streaming_configs():
-    for n_rows in (3, 17):
-        _check_linear_residual(n_rows, torch.float32, True)
-        _check_norm_gated(n_rows, torch.bfloat16, "silu", packed=n_rows == 3)
+    for n_rows, dtype in ((3, torch.float32), (17, torch.bfloat16), (40, torch.float16)):  # BLOCK_M 16, 32, 64
+        _check_linear_residual(n_rows, dtype, True)
+        _check_norm_gated(n_rows, dtype, "silu", packed=n_rows == 3)
 
 
 def _check_qkv_configs(head_norm):
     # head_dim 128 (64 pairs, 32 tail columns with rotary_dim 96): every SPLIT keeps tl.dot tiles >= 16
-    for rotary_dim in (128, 96):
-        _check_qkv(1, 3, torch.float32, head_dim=128, rotary_dim=rotary_dim, bias=True, head_norm=head_norm)
+    for rotary_dim, dtype in ((128, torch.float32), (96, torch.bfloat16)):
+        _check_qkv(1, 3, dtype, head_dim=128, rotary_dim=rotary_dim, bias=True, head_norm=head_norm)
 
 
 DECODE_FAMILIES = [  # (name, the kernel whose configs are forced, a check that runs it)
