@@ -13,7 +13,7 @@ from fuselm.backend import INTERPRETING
 from fuselm.ops import decode_linear
 from fuselm.ops._common import forced_config
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
-from tests.conftest import DEVICE, HAS_CUDA
+from tests.conftest import DEVICE
 from tests.helpers import assert_close
 from tests.helpers import randn as randn_on
 
@@ -117,14 +117,13 @@ def test_norm_in_prologue_and_norm_first_agree(monkeypatch, prologue_max_rows):
 # ----------------------------------------------------------------------------------- qkv_rope
 def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16, rotary_dim=None, packed=False,
                 bias=False, head_norm=False, casting="llama", shared_positions=False, cos_batch=1, cache_len=None,
-                strided=False):
-    """(args, options) of a qkv_rope call; caches NaN. strided: x every other element of a wider tensor, caches
-    [B, L, Hkv, D] in memory (viewed as [B, Hkv, L, D])."""
-    hidden = 40
+                strided=False, hidden=40):
+    """(args, options) of a qkv_rope call; caches NaN. strided: x, cos and sin every other element of wider
+    tensors, caches [B, L, Hkv, D] in memory (viewed as [B, Hkv, L, D])."""
     rotary_dim = rotary_dim or head_dim
     cache_len = cache_len or seq_len + 5
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    weight = randn(q_size + 2 * kv_size, hidden, dtype=dtype, scale=0.3)
+    weight = randn(q_size + 2 * kv_size, hidden, dtype=dtype, scale=2 / hidden**0.5)
     bias_all = randn(q_size + 2 * kv_size, dtype=dtype) if bias else None
     if packed:
         weights, biases = (weight, None, None), {"q_bias": bias_all}
@@ -135,7 +134,8 @@ def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16,
         torch.zeros(0, seq_len, dtype=torch.long, device=DEVICE))
     if shared_positions:
         positions = positions[0].int()
-    angles = randn(cos_batch, seq_len, rotary_dim, scale=3.0)
+    angles = randn(cos_batch, seq_len, 2 * rotary_dim, scale=3.0)[..., ::2] if strided else randn(
+        cos_batch, seq_len, rotary_dim, scale=3.0)
     cache_shape = (batch, cache_len, num_kv_heads, head_dim) if strided else (batch, num_kv_heads, cache_len, head_dim)
     cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
     if strided:
@@ -316,9 +316,10 @@ def test_qkv_rope_decode_step_replays_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_rows", [1, 8, 64, 65])
+@pytest.mark.parametrize("n_rows", [1, 8, 17, 64, 65])
 def test_llama_sized_projections_match_float64(n_rows):
-    """Real model widths (K = 4096) through the GPU kernels: long K loops, many programs."""
+    """Real model widths (hidden 4096, heads of 128) through the GPU kernels: long K loops, many programs, the
+    autotuner's pick among the configs."""
     x, residual = randn(n_rows, 4096, dtype=torch.bfloat16), randn(n_rows, 1024, dtype=torch.bfloat16)
     weight, norm_weight = randn(1024, 4096, dtype=torch.bfloat16, scale=0.02), 1 + 0.1 * randn(4096)
     with torch.no_grad():
@@ -328,4 +329,11 @@ def test_llama_sized_projections_match_float64(n_rows):
     expected = norm_gated_linear_reference(x.double(), norm_weight.bfloat16().double(), 1e-5, weight.double(),
                                            weight.flip(0).double())
     assert_close(gated, expected, torch.bfloat16)
-    assert HAS_CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 8, 64, 65])
+@pytest.mark.parametrize("variant", [{}, {"head_norm": True}, {"packed": True, "rotary_dim": 96, "bias": True}])
+def test_llama_sized_qkv_rope_matches_float64(n_rows, variant):
+    _check_qkv(n_rows, 1, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, cache_len=80, hidden=4096,
+               **variant)
