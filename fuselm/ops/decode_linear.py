@@ -197,10 +197,12 @@ def _prune_dot_sizes(configs, named_args, **kwargs):
 
 
 _PRUNE = {"early_config_prune": _prune_dot_sizes}
+# Shared memory per pipeline stage is about (weight tiles x BLOCK_N + BLOCK_M) x BLOCK_K elements: the configs keep
+# stages x that under ~192 KB for bf16 at BLOCK_M = 64 (two weight tiles); the last fits fp32 as well.
 _STREAMING_CONFIGS = [  # (BLOCK_N, BLOCK_K, warps, stages); the first is the one the interpreter runs
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for n, k, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
-                       (16, 256, 4, 4), (128, 64, 4, 4)]
+    for n, k, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 2), (128, 64, 8, 3),
+                       (16, 256, 4, 4), (128, 64, 4, 4), (32, 64, 4, 2)]
 ]
 _STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
 
@@ -412,10 +414,11 @@ def _qkv_rope_kernel(
 
 
 _QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "HAS_HEAD_NORM"]
-_QKV_CONFIGS = [  # (SPLIT, BLOCK_K, warps, stages): SPLIT parts per head spread small models over more SMs
+_QKV_CONFIGS = [  # (SPLIT, BLOCK_K, warps, stages): SPLIT parts per head spread small models over more SMs;
+    # (1, 64, 4, 3) keeps whole heads of 256 (Gemma) within shared memory
     triton.Config({"SPLIT": split, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for split, k, w, s in [(1, 128, 4, 4), (2, 128, 4, 4), (4, 128, 4, 4), (2, 256, 4, 3), (4, 256, 4, 3),
-                           (1, 256, 8, 3), (2, 64, 4, 4)]
+                           (1, 256, 8, 2), (2, 64, 4, 4), (1, 64, 4, 3)]
 ]
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
 # a head norm needs the whole head in one program
