@@ -49,7 +49,7 @@ MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernel
 # per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
 # reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
 # M x K written and read back) and the streaming kernel reads the normed x. benchmarks/decode_linear_bench.py
-# times both sides (--prologue-norm-max-rows).
+# times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first").
 PROLOGUE_NORM_MAX_ROWS = 16
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
