@@ -132,7 +132,7 @@ def _with_prologue_rows(rows: int, fn: Callable[[dict], object]) -> Callable[[di
 
 
 def _fused_norm_variants(fn: Callable[[dict], object]) -> dict[str, Callable[[dict], object]]:
-    return {"fused, norm in prologue": _with_prologue_rows(max(ROWS), fn),
+    return {"fused, norm in prologue": _with_prologue_rows(decode_linear.MAX_STREAMING_ROWS, fn),
             "fused, rms_norm first": _with_prologue_rows(0, fn)}
 
 
@@ -200,9 +200,9 @@ def residual_projection(label: str, n_in: int, n_out: int, m: int) -> Projection
     }, n_out * n_in * 2, m * n_in * 2 + 2 * m * n_out * 2)
 
 
-def projections(shapes: Shapes) -> list[Projection]:
+def projections(shapes: Shapes, rows: list[int]) -> list[Projection]:
     cases = []
-    for m in ROWS:
+    for m in rows:
         cases += [qkv_projection(shapes, m), gate_up_projection(shapes, m),
                   residual_projection("o", shapes.heads * shapes.head_dim, shapes.hidden, m),
                   residual_projection("down", shapes.intermediate, shapes.hidden, m)]
@@ -240,13 +240,13 @@ def tuned_configs() -> dict[str, dict[str, str]]:
             if isinstance(kernel, triton.runtime.Autotuner) and kernel.cache}
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], ms: list[int]) -> None:
     impls = list(dict.fromkeys(row["impl"] for row in rows))
     print("\nus (% of copy bandwidth) per projection and M; impls:")
     for index, impl in enumerate(impls):
         print(f"  [{index}] {impl}")
     for name in dict.fromkeys(row["name"] for row in rows):
-        for m in ROWS:
+        for m in ms:
             cells = [f"[{impls.index(r['impl'])}] {r['us']:7.1f} ({r['pct_of_copy']:4.1f} %)"
                      for r in rows if r["name"] == name and r["m"] == m]
             print(f"{name:<34} M={m:<3} " + "  ".join(cells))
@@ -256,6 +256,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/decode-linear-h200.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script runs)")
+    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS),
+                        help=f"values of M (default {' '.join(map(str, ROWS))}; above "
+                             f"{decode_linear.MAX_STREAMING_ROWS} every fused op takes its cuBLAS path)")
     args = parser.parse_args()
     torch.manual_seed(0)
     shapes = SMOKE if args.smoke else LLAMA3_8B
@@ -264,7 +267,7 @@ def main() -> None:
           "bytes read + written)")
     rows = []
     with fuselm.use_backend("triton"):
-        for case in projections(shapes):
+        for case in projections(shapes, args.rows):
             rows += time_projection(case, copy)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -281,7 +284,7 @@ def main() -> None:
     if not args.smoke:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print_table(rows)
+    print_table(rows, args.rows)
 
 
 if __name__ == "__main__":
