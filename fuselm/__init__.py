@@ -7,6 +7,7 @@ Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`). M
 from fuselm.backend import get_backend, set_backend, use_backend
 from fuselm.ops.attention import decode_attention
 from fuselm.ops.cross_entropy import cross_entropy, linear_cross_entropy
+from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
@@ -16,7 +17,8 @@ __version__ = "0.1.0"
 _PATCHING = ("patch", "unpatch", "patched", "PatchReport")
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "cross_entropy", "linear_cross_entropy",
-           "decode_attention", "get_backend", "set_backend", "use_backend", *_PATCHING]
+           "decode_attention", "linear_residual", "norm_gated_linear", "qkv_rope",
+           "get_backend", "set_backend", "use_backend", *_PATCHING]
 
 
 def __getattr__(name: str):

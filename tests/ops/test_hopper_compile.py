@@ -24,12 +24,14 @@ import fuselm
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
+from tests.ops.test_decode_linear import DECODE_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the launches below
     "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dweight_sum_kernel", "_rope_kernel", "_glu_fwd_kernel",
     "_glu_bwd_kernel", "_cross_entropy_partials_kernel", "_cross_entropy_finish_kernel", "_cross_entropy_bwd_kernel",
-    "_scale_kernel", "_decode_attention_kernel"}
+    "_scale_kernel", "_decode_attention_kernel", "_linear_residual_kernel", "_norm_gated_kernel", "_qkv_rope_kernel",
+    "_qkv_epilogue_kernel"}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.int64: "i64", torch.int32: "i32"}
 
@@ -95,7 +97,7 @@ def _launches_no_config_test_makes():
 def test_every_launch_compiles_for_hopper(monkeypatch):
     recorder = LaunchRecorder(monkeypatch)
     with fuselm.use_backend("triton"):
-        for _, kernel, check in CONFIG_CHECKS:
+        for _, kernel, check in CONFIG_CHECKS + DECODE_FAMILIES:
             for index, config in enumerate(kernel.configs):
                 recorder.forced = (kernel.fn, config.num_warps)
                 with forced_config(kernel, index):

@@ -1,0 +1,291 @@
+"""Decode projections on one GPU: fuselm's fused weight-streaming ops against cuBLAS plus separate kernels.
+
+Llama-3-8B shapes in bf16 (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 14336, a 1024-position KV
+cache), M = B * T = 1, 8, 32, 64 rows (decode: B = M, T = 1):
+
+- qkv_rope 4096 -> 6144 with RoPE and the KV-cache write;
+- norm_gated_linear 4096 -> 2 x 14336 (SwiGLU);
+- linear_residual 4096 -> 4096 (o) and 14336 -> 4096 (down).
+
+Each implementation's call is captured in a CUDA graph over several independent sets of weights and inputs
+(enough that one set's weights have left L2 when its turn comes again: 3 x L2 of weights per graph), replayed,
+and timed as the median replay time (triton.testing.do_bench) divided by the sets. Bytes counted: the weights
+plus every activation read or written once (x, norm weight, residual, cos/sin, outputs, the cache rows written);
+GB/s = bytes / time, against the copy bandwidth measured in the same run (a 2 GiB device copy, bytes read +
+written). The fused norm ops run both ways around fuselm.ops.decode_linear.PROLOGUE_NORM_MAX_ROWS: norm in the
+kernel's prologue (every program recomputes each row's rstd) and fuselm.rms_norm first.
+
+    python benchmarks/decode_linear_bench.py --out benchmarks/results/decode-linear-h200.json
+    python benchmarks/decode_linear_bench.py --smoke   # tiny shapes, no GPU needed (interpreter, wall clock)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+import fuselm  # noqa: E402
+from fuselm.ops import decode_linear  # noqa: E402
+
+GB = 1e9
+BF16 = torch.bfloat16
+ROWS = (1, 8, 32, 64)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    cache_len: int
+
+
+LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, cache_len=1024)
+SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, cache_len=16)
+
+
+# ----------------------------------------------------------------------------------- timing
+# A minimal local timer (benchmarks/timing.py is not on this branch): the same names as timing.py's
+def median_ms(fn: Callable[[], object]) -> float:
+    """Median time of ``fn``: triton's do_bench (CUDA events, warm-up, L2 flushed) on a GPU, else wall clock."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph after three warm-up calls (compilation, autotuning) on a side stream; its
+    replay. Without CUDA, ``fn`` itself."""
+    if not torch.cuda.is_available():
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_gbps(moved_bytes: int) -> float:
+    """Device copy bandwidth (bytes read + written) of a bf16 copy_ moving ``moved_bytes``."""
+    src = torch.randn(moved_bytes // 4, dtype=BF16, device=DEVICE)
+    dst = torch.empty_like(src)
+    return moved_bytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
+
+
+# ----------------------------------------------------------------------------------- projections
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def randn(*shape, scale=1.0, dtype=BF16):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+@dataclass
+class Projection:
+    """One projection at one M: its implementations (each a call on one input set), inputs and byte count."""
+
+    name: str
+    m: int
+    make_set: Callable[[], dict]
+    impls: dict[str, Callable[[dict], object]]
+    weight_bytes: int
+    activation_bytes: int
+
+
+def _with_prologue_rows(rows: int, fn: Callable[[dict], object]) -> Callable[[dict], object]:
+    """``fn`` with PROLOGUE_NORM_MAX_ROWS set to ``rows`` while it is called (and so while it is captured)."""
+    def call(s):
+        saved, decode_linear.PROLOGUE_NORM_MAX_ROWS = decode_linear.PROLOGUE_NORM_MAX_ROWS, rows
+        try:
+            return fn(s)
+        finally:
+            decode_linear.PROLOGUE_NORM_MAX_ROWS = saved
+    return call
+
+
+def _fused_norm_variants(fn: Callable[[dict], object]) -> dict[str, Callable[[dict], object]]:
+    return {"fused, norm in prologue": _with_prologue_rows(decode_linear.MAX_STREAMING_ROWS, fn),
+            "fused, rms_norm first": _with_prologue_rows(0, fn)}
+
+
+def qkv_projection(shapes: Shapes, m: int) -> Projection:
+    q_size, kv_size = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+
+    def make_set():
+        angles = randn(m, 1, shapes.head_dim, scale=3.0, dtype=torch.float32)  # row b at its own position
+        return {"x": randn(m, 1, shapes.hidden), "norm": 1 + randn(shapes.hidden, scale=0.1),
+                "wq": randn(q_size, shapes.hidden, scale=0.02), "wk": randn(kv_size, shapes.hidden, scale=0.02),
+                "wv": randn(kv_size, shapes.hidden, scale=0.02), "cos": angles.cos(), "sin": angles.sin(),
+                "k_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
+                "v_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
+                "positions": torch.randint(0, shapes.cache_len, (m, 1), device=DEVICE)}
+
+    def fused(s):
+        return fuselm.qkv_rope(s["x"], s["norm"], 1e-5, s["wq"], s["wk"], s["wv"], s["cos"], s["sin"], s["k_cache"],
+                               s["v_cache"], s["positions"], num_heads=shapes.heads, num_kv_heads=shapes.kv_heads)
+
+    def separate(s):  # fuselm.rms_norm, three cuBLAS GEMMs, fuselm.rope, two index_put cache writes
+        h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
+        q = F.linear(h, s["wq"]).view(m, 1, shapes.heads, shapes.head_dim)
+        k = F.linear(h, s["wk"]).view(m, 1, shapes.kv_heads, shapes.head_dim)
+        v = F.linear(h, s["wv"]).view(m, 1, shapes.kv_heads, shapes.head_dim)
+        q, k = fuselm.rope(q, k, s["cos"], s["sin"], layout="bshd")
+        rows = torch.arange(m, device=DEVICE)[:, None]
+        s["k_cache"][rows, :, s["positions"]] = k
+        s["v_cache"][rows, :, s["positions"]] = v
+        return q.transpose(1, 2)
+
+    activations = (m * shapes.hidden * 2 + shapes.hidden * 2 + 2 * m * shapes.head_dim * 4 + m * 8
+                   + m * q_size * 2 + 2 * m * kv_size * 2)  # x, norm, cos + sin (fp32), positions, q, cache rows
+    return Projection(f"qkv_rope {shapes.hidden}->{q_size + 2 * kv_size}", m, make_set,
+                      {**_fused_norm_variants(fused), "cuBLAS + fuselm rms_norm/rope + index_put": separate},
+                      (q_size + 2 * kv_size) * shapes.hidden * 2, activations)
+
+
+def gate_up_projection(shapes: Shapes, m: int) -> Projection:
+    n, k = shapes.intermediate, shapes.hidden
+
+    def make_set():
+        return {"x": randn(m, k), "norm": 1 + randn(k, scale=0.1), "gate": randn(n, k, scale=0.02),
+                "up": randn(n, k, scale=0.02)}
+
+    def fused(s):
+        return fuselm.norm_gated_linear(s["x"], s["norm"], 1e-5, s["gate"], s["up"])
+
+    def separate(s):  # fuselm.rms_norm, two cuBLAS GEMMs, fuselm.silu_mul
+        h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
+        return fuselm.silu_mul(F.linear(h, s["gate"]), F.linear(h, s["up"]))
+
+    return Projection(f"norm_gated_linear {k}->2x{n}", m, make_set,
+                      {**_fused_norm_variants(fused), "cuBLAS + fuselm rms_norm/silu_mul": separate},
+                      2 * n * k * 2, m * k * 2 + k * 2 + m * n * 2)
+
+
+def residual_projection(label: str, n_in: int, n_out: int, m: int) -> Projection:
+    def make_set():
+        return {"x": randn(m, n_in), "weight": randn(n_out, n_in, scale=0.02), "residual": randn(m, n_out)}
+
+    return Projection(f"linear_residual {label} {n_in}->{n_out}", m, make_set, {
+        "fused": lambda s: fuselm.linear_residual(s["x"], s["weight"], s["residual"]),
+        "cuBLAS addmm(residual, x, W.T)": lambda s: torch.addmm(s["residual"], s["x"], s["weight"].t()),
+        "cuBLAS + add": lambda s: s["residual"] + F.linear(s["x"], s["weight"]),
+    }, n_out * n_in * 2, m * n_in * 2 + 2 * m * n_out * 2)
+
+
+def projections(shapes: Shapes, rows: list[int]) -> list[Projection]:
+    cases = []
+    for m in rows:
+        cases += [qkv_projection(shapes, m), gate_up_projection(shapes, m),
+                  residual_projection("o", shapes.heads * shapes.head_dim, shapes.hidden, m),
+                  residual_projection("down", shapes.intermediate, shapes.hidden, m)]
+    return cases
+
+
+def input_sets(weight_bytes: int) -> int:
+    """Sets of weights per graph: 3 x L2 of weights, so each set's weights come from HBM on every replay."""
+    if not torch.cuda.is_available():
+        return 1
+    return max(2, math.ceil(3 * torch.cuda.get_device_properties(0).L2_cache_size / weight_bytes))
+
+
+def time_projection(case: Projection, copy: float) -> list[dict]:
+    sets = [case.make_set() for _ in range(input_sets(case.weight_bytes))]
+    rows = []
+    for impl, fn in case.impls.items():
+        with torch.no_grad():
+            replay = captured(lambda fn=fn: [fn(s) for s in sets])
+            us = median_ms(replay) * 1e3 / len(sets)
+        total = case.weight_bytes + case.activation_bytes
+        gbps = total / (us * 1e-6) / GB
+        rows.append({"what": "projection", "impl": impl, "m": case.m, "name": case.name, "us": round(us, 2),
+                     "bytes": total, "gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy, 1),
+                     "formula": f"({case.weight_bytes} B weights + {case.activation_bytes} B activations) / "
+                                f"{us:.2f} us = {gbps:.0f} GB/s = {100 * gbps / copy:.1f} % of {copy:.0f} GB/s copy",
+                     "input_sets": len(sets)})
+        print(f"{case.name:<34} M={case.m:<3} {impl:<44} {rows[-1]['formula']}", flush=True)
+    return rows
+
+
+def tuned_configs() -> dict[str, dict[str, str]]:
+    return {name: {str(key): str(config) for key, config in kernel.cache.items()}
+            for name, kernel in vars(decode_linear).items()
+            if isinstance(kernel, triton.runtime.Autotuner) and kernel.cache}
+
+
+def print_table(rows: list[dict], ms: list[int]) -> None:
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    print("\nus (% of copy bandwidth) per projection and M; impls:")
+    for index, impl in enumerate(impls):
+        print(f"  [{index}] {impl}")
+    for name in dict.fromkeys(row["name"] for row in rows):
+        for m in ms:
+            cells = [f"[{impls.index(r['impl'])}] {r['us']:7.1f} ({r['pct_of_copy']:4.1f} %)"
+                     for r in rows if r["name"] == name and r["m"] == m]
+            print(f"{name:<34} M={m:<3} " + "  ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/decode-linear-h200.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script runs)")
+    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS),
+                        help=f"values of M (default {' '.join(map(str, ROWS))}; above "
+                             f"{decode_linear.MAX_STREAMING_ROWS} every fused op takes its cuBLAS path)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shapes = SMOKE if args.smoke else LLAMA3_8B
+    copy = copy_gbps(2**31 if torch.cuda.is_available() else 2**20)
+    print(f"copy bandwidth: {copy:.0f} GB/s (a {2**31 if torch.cuda.is_available() else 2**20} B bf16 copy_, "
+          "bytes read + written)")
+    rows = []
+    with fuselm.use_backend("triton"):
+        for case in projections(shapes, args.rows):
+            rows += time_projection(case, copy)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    results = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (smoke run)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_gbps": round(copy, 1), "shapes": vars(shapes),
+        "prologue_norm_max_rows": decode_linear.PROLOGUE_NORM_MAX_ROWS,
+        "method": "us: median replay time (triton do_bench, L2 flushed) of a CUDA graph calling the implementation "
+                  "once per input set, divided by the sets (input_sets: 3 x L2 of weights); bytes: weights + "
+                  "activations read or written once; bf16",
+        "rows": rows, "tuned_configs": tuned_configs()}
+    if not args.smoke:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print_table(rows, args.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,810 @@
+"""Decode projections that read the model's own weights: Triton kernels, PyTorch references, ``fuselm::`` ops.
+
+Three ops, each a whole projection with what surrounds it in a decoder layer:
+
+- :func:`linear_residual`: ``residual + x @ W.T (+ bias)`` (the o and down projections);
+- :func:`norm_gated_linear`: ``act(norm(x) @ Wg.T) * (norm(x) @ Wu.T)`` (gate/up + SiLU or tanh-GELU);
+- :func:`qkv_rope`: norm, q/k/v projections, biases, q/k head norms, RoPE and the KV-cache write; returns q.
+
+Weights are used where the model keeps them (``nn.Linear`` layout [N, K]: separate q/k/v or Phi-3's packed
+qkv, separate gate/up or Phi-3's packed gate_up); nothing is concatenated or copied.
+
+Two paths on the GPU, picked by M = rows of x (B * T):
+
+- M <= ``MAX_STREAMING_ROWS`` (decode): one weight-streaming Triton kernel per op. A program owns a block of
+  output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
+  so the weights cross HBM once; the norm runs in the prologue (on each x tile before the dot) and bias,
+  residual, activation, head norm, RoPE and the cache write in the epilogue.
+- larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
+
+Rounding points (those of the existing ops and of HF): the normed x is rounded to x's dtype (the GEMM operand,
+as :func:`fuselm.rms_norm` gives it), a projection is accumulated in fp32 with its bias and rounded once,
+``linear_residual`` adds the residual before that one rounding (``torch.addmm(residual, x, W.T)``), the gated
+activation reads the rounded gate and up (as :func:`fuselm.silu_mul`), a head norm reads the rounded projection
+and is rounded (as :func:`fuselm.rms_norm`), RoPE reads that and is rounded once (as :func:`fuselm.rope`).
+
+The fused kernels have no backward: they run when no input requires grad (or grad mode is off); otherwise the
+differentiable large-M path or the reference runs. Every launch is CUDA-graph-safe once warmed up (autotuning
+keys are shapes only; no host syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuselm.backend import INTERPRETING, runs_triton
+from fuselm.ops._common import (FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor,
+                                new_output)
+from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
+from fuselm.ops.glu import ACTIVATIONS, _activation, gelu_tanh_mul, silu_mul
+from fuselm.ops.rms_norm import CASTINGS, rms_norm, rms_norm_reference
+from fuselm.ops.rope import rope_reference
+
+MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernels; above, cuBLAS
+# Norm in the prologue means every program computes the rstd of every x row: it re-reads x (M x K) from L2 once
+# per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
+# reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
+# M x K written and read back) and the streaming kernel reads the normed x. benchmarks/decode_linear_bench.py
+# times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first").
+PROLOGUE_NORM_MAX_ROWS = 16
+_GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+# Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
+# under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
+_INTERPRETER = tl.constexpr(INTERPRETING)
+
+
+# ----------------------------------------------------------------------------------- reference
+def _flat(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def linear_residual_reference(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``residual + x @ weight.T (+ bias)`` as one ``torch.addmm`` (the large-M path and the fallback).
+    Shapes as :func:`linear_residual`."""
+    out = torch.addmm(_flat(residual), _flat(x), weight.t())
+    if bias is not None:
+        out = out + bias
+    return out.view(residual.shape)
+
+
+def _normed(x: Tensor, norm_weight: Tensor | None, eps: float, offset: float, casting: str) -> Tensor:
+    """The GEMM operand: x, or its RMSNorm rounded to x's dtype."""
+    if norm_weight is None:
+        return x
+    return rms_norm_reference(x, norm_weight, eps, offset, casting).to(x.dtype)
+
+
+def _gate_up_halves(gate_weight: Tensor, up_weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    if up_weight is not None:
+        return gate_weight, up_weight
+    half = gate_weight.shape[0] // 2
+    return gate_weight[:half], gate_weight[half:]
+
+
+def norm_gated_linear_reference(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
+                                up_weight: Tensor | None, activation: str = "silu", casting: str = "llama",
+                                offset: float = 0.0) -> Tensor:
+    """``act(norm(x) @ Wg.T) * (norm(x) @ Wu.T)`` in plain PyTorch. Shapes as :func:`norm_gated_linear`."""
+    h = _normed(x, norm_weight, eps, offset, casting)
+    gate, up = _gate_up_halves(gate_weight, up_weight)
+    return _GLU_REFERENCES[activation](F.linear(h, gate), F.linear(h, up))
+
+
+def _qkv_weights(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, num_heads, num_kv_heads, head_dim):
+    """(weight, bias) of q, k and v: the packed [(Hq + 2 Hkv) D, hidden] weight (and bias) split into views."""
+    if k_weight is not None:
+        return (q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    weights = q_weight.split(sizes)
+    biases = q_bias.split(sizes) if q_bias is not None else (None, None, None)
+    return tuple(zip(weights, biases))
+
+
+def _write_cache(cache: Tensor, new: Tensor, cache_positions: Tensor) -> None:
+    """cache [B, H, L, D][b, :, cache_positions[b, t]] = new[b, t] for new [B, T, H, D]."""
+    batch, seq_len = new.shape[:2]
+    positions = cache_positions.expand(batch, seq_len).long()
+    cache[torch.arange(batch, device=cache.device)[:, None], :, positions] = new.to(cache.dtype)
+
+
+def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor, k_weight: Tensor | None,
+                       v_weight: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       cache_positions: Tensor, num_heads: int, num_kv_heads: int, q_bias: Tensor | None = None,
+                       k_bias: Tensor | None = None, v_bias: Tensor | None = None, q_norm_weight: Tensor | None = None,
+                       k_norm_weight: Tensor | None = None, qk_norm_eps: float | None = None, casting: str = "llama",
+                       offset: float = 0.0) -> Tensor:
+    """Plain PyTorch :func:`qkv_rope` (the fallback and the test oracle): writes the caches, returns q."""
+    batch, seq_len, _ = x.shape
+    head_dim = k_cache.shape[-1]
+    h = _normed(x, norm_weight, eps, offset, casting)
+    (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, num_heads,
+                                                num_kv_heads, head_dim)
+    q = F.linear(h, wq, bq).view(batch, seq_len, num_heads, head_dim)
+    k = F.linear(h, wk, bk).view(batch, seq_len, num_kv_heads, head_dim)
+    v = F.linear(h, wv, bv).view(batch, seq_len, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        head_eps = eps if qk_norm_eps is None else qk_norm_eps
+        q = rms_norm_reference(q, q_norm_weight, head_eps, offset, casting).to(x.dtype)
+        k = rms_norm_reference(k, k_norm_weight, head_eps, offset, casting).to(x.dtype)
+    q, k = rope_reference(q, k, cos, sin, layout="bshd")
+    _write_cache(k_cache, k, cache_positions)
+    _write_cache(v_cache, v, cache_positions)
+    return q.transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------------- kernel helpers
+@triton.jit
+def _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 rstd of each x row (rows [BLOCK_M], masked by row_ok): one pass over the M x K rows."""
+    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, n_inner, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                    mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0).to(tl.float32)
+        sum_of_squares += tl.sum(x * x, axis=1)
+    return tl.rsqrt(sum_of_squares / n_inner + eps)
+
+
+@triton.jit
+def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, rstd, offset,
+                  HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] tile of the GEMM operand at columns cols: x, or norm(x) rounded as rms_norm rounds."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
+    if HAS_NORM:
+        normed = x.to(tl.float32) * rstd[:, None]
+        if CAST_NORMED:
+            normed = _cast(normed, x.dtype).to(tl.float32)
+        weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
+        return _cast(normed * weight[None, :], OPERAND_DTYPE)
+    return x.to(OPERAND_DTYPE)
+
+
+@triton.jit
+def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner):
+    """The [BLOCK_K, BLOCK_N] transposed tile W[weight_rows, cols].T, ready for tl.dot(x_tile, w_tile)."""
+    return tl.load(w_ptr + weight_rows[None, :] * stride_wn + cols[:, None],
+                   mask=rows_ok[None, :] & (cols[:, None] < n_inner), other=0.0)
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE), rounding to nearest even (by hand in the interpreter, whose fp32 -> bf16 cast truncates)."""
+    if _INTERPRETER and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _dot(x, w, acc):
+    """acc + x @ w with fp32 accumulation (fp32 operands in IEEE fp32, not TF32, as torch's matmul)."""
+    if _INTERPRETER and x.dtype == tl.bfloat16:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    return tl.dot(x, w, acc, input_precision="ieee")
+
+
+def _prune_dot_sizes(configs, named_args, **kwargs):
+    """On a GPU tl.dot needs every tile side >= 16: drops the head splits too fine for a head's columns."""
+    block_half = {**named_args, **kwargs}.get("BLOCK_HALF_HEAD")
+    kept = [c for c in configs if block_half is None or block_half // c.kwargs.get("SPLIT", 1) >= 16]
+    return kept or configs[:1]
+
+
+_PRUNE = {"early_config_prune": _prune_dot_sizes}
+# Shared memory per pipeline stage is about (weight tiles x BLOCK_N + BLOCK_M) x BLOCK_K elements: the configs keep
+# stages x that under ~192 KB for bf16 at BLOCK_M = 64 (two weight tiles); the last fits fp32 as well.
+_STREAMING_CONFIGS = [  # (BLOCK_N, BLOCK_K, warps, stages); the first is the one the interpreter runs
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 2), (128, 64, 8, 3),
+                       (16, 256, 4, 4), (128, 64, 4, 4), (32, 64, 4, 2)]
+]
+_STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
+
+
+# ----------------------------------------------------------------------------------- linear + residual kernel
+@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY)
+@triton.jit
+def _linear_residual_kernel(
+    x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
+    n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program owns output columns [pid * BLOCK_N, +BLOCK_N) of all M rows. Streams its BLOCK_N weight rows over K
+    # once (BLOCK_N * K elements: every weight byte read by one program) and re-reads x (M x K, from L2); writes
+    # M x BLOCK_N outputs = residual + acc (+ bias), rounded once.
+    cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols_n < n_out
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < n_rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_inner, BLOCK_K):
+        cols_k = start + tl.arange(0, BLOCK_K)
+        x = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False, False,
+                          w_ptr.dtype.element_ty)
+        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
+    mask = row_ok[:, None] & col_ok[None, :]
+    acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------- norm + gate/up kernel
+@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM"])
+@triton.jit
+def _norm_gated_kernel(
+    x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
+    n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
+    HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
+    # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
+    # epilogue. With HAS_NORM it first reads x once for each row's rstd (M x K from L2), then normalises each x
+    # tile before its dots. Writes M x BLOCK_N outputs.
+    cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols_n < n_out
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < n_rows
+    rstd = 0.0
+    if HAS_NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M, BLOCK_K)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_inner, BLOCK_K):
+        cols_k = start + tl.arange(0, BLOCK_K)
+        x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
+                          CAST_NORMED, gate_ptr.dtype.element_ty)
+        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
+        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
+    out_dtype = out_ptr.dtype.element_ty
+    gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
+    activated, _ = _activation(gate, ACTIVATION)
+    result = activated * _cast(acc_up, out_dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(result, out_dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------- q/k/v + RoPE + cache kernels
+@triton.jit
+def _head_columns(part, half, head_dim, SPLIT: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr,
+                  BLOCK_TAIL: tl.constexpr):
+    """Columns of a head that part ``part`` of SPLIT owns: d1 in the first rotary half (d1 + half is its pair)
+    and the pass-through tail dt >= 2 * half (part 0 owns all of it), with their masks."""
+    per_part: tl.constexpr = BLOCK_HALF_HEAD // SPLIT
+    d1 = part * per_part + tl.arange(0, per_part)
+    tail = 2 * half + tl.arange(0, BLOCK_TAIL)
+    return d1, d1 < half, tail, (tail < head_dim) & (part == 0)
+
+
+@triton.jit
+def _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v):
+    """(kind 0/1/2 for q/k/v, head within that kind, its pointer and row stride) of head slot ``slot``."""
+    kind = (slot >= n_heads_q).to(tl.int32) + (slot >= n_heads_q + n_heads_kv).to(tl.int32)
+    head = slot - tl.where(kind == 0, 0, n_heads_q) - tl.where(kind == 2, n_heads_kv, 0)
+    if kind == 0:
+        ptr, stride = q_ptr, stride_q
+    elif kind == 1:
+        ptr, stride = k_ptr, stride_k
+    else:
+        ptr, stride = v_ptr, stride_v
+    return kind, head, ptr, stride
+
+
+@triton.jit
+def _head_norm(a, weight_ptr, cols, ok, rstd, offset, CAST_NORMED: tl.constexpr, DTYPE: tl.constexpr):
+    normed = a * rstd[:, None]
+    if CAST_NORMED:
+        normed = _cast(normed, DTYPE).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32) + offset
+    return _cast(normed * weight[None, :], DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _finish_head(
+    a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok,
+    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    seq_len, head_dim, half, cache_len, head_eps, offset,
+    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
+):
+    """Epilogue of one head's projection (a1, a2: the rounded [BLOCK_M, *] columns d1 and d1 + half, tail_values
+    those of tail): head norm and RoPE for q and k, then the store, q into q_out at its step t, k and v into their
+    cache at the row's position (rows whose position is outside [0, cache_len) write nothing)."""
+    dtype = q_out_ptr.dtype.element_ty
+    b, t = rows // seq_len, rows % seq_len
+    if kind < 2:
+        if HAS_HEAD_NORM:  # the whole head is in this program (SPLIT = 1)
+            sum_of_squares = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
+            if HAS_TAIL:
+                sum_of_squares += tl.sum(tail_values * tail_values, axis=1)
+            rstd = tl.rsqrt(sum_of_squares / head_dim + head_eps)
+            norm_ptr = q_norm_ptr if kind == 0 else k_norm_ptr
+            a1 = _head_norm(a1, norm_ptr, d1, ok1, rstd, offset, CAST_NORMED, dtype)
+            a2 = _head_norm(a2, norm_ptr, d1 + half, ok1, rstd, offset, CAST_NORMED, dtype)
+            if HAS_TAIL:
+                tail_values = _head_norm(tail_values, norm_ptr, tail, tail_ok, rstd, offset, CAST_NORMED, dtype)
+        mask = row_ok[:, None] & ok1[None, :]
+        cos_row = (cos_ptr + b * stride_cb + t * stride_ct)[:, None]
+        sin_row = (sin_ptr + b * stride_sb + t * stride_st)[:, None]
+        c1 = tl.load(cos_row + d1[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_row + (d1 + half)[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+        n1 = tl.load(sin_row + d1[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
+        n2 = tl.load(sin_row + (d1 + half)[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
+        a1, a2 = a1 * c1 - a2 * n1, a2 * c2 + a1 * n2
+    if kind == 0:
+        out, stride_d, write = q_out_ptr + b * stride_qb + head * stride_qh + t * stride_qt, stride_qd, row_ok
+    else:
+        position = tl.load(positions_ptr + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int64)
+        write = row_ok & (position >= 0) & (position < cache_len)
+        if kind == 1:
+            out, stride_d = k_cache_ptr + b * stride_kb + head * stride_kh + position * stride_kl, stride_kd
+        else:
+            out, stride_d = v_cache_ptr + b * stride_vb + head * stride_vh + position * stride_vl, stride_vd
+    mask = write[:, None] & ok1[None, :]
+    tl.store(out[:, None] + d1[None, :] * stride_d, _cast(a1, dtype), mask=mask)
+    tl.store(out[:, None] + (d1 + half)[None, :] * stride_d, _cast(a2, dtype), mask=mask)
+    if HAS_TAIL:
+        tl.store(out[:, None] + tail[None, :] * stride_d, _cast(tail_values, dtype), mask=write[:, None] & tail_ok[None, :])
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, norm_weight_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr,
+    cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    n_rows, seq_len, n_inner, n_heads_q, n_heads_kv, head_dim, half, cache_len,
+    stride_xm, stride_wq, stride_wk, stride_wv,
+    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    eps, head_eps, offset,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program p owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
+    # the Hkv v heads) for all M rows: the rotary pairs (d1, d1 + half) of its part and, in part 0, the tail
+    # columns. Streams those weight rows over K once (D / SPLIT rows: every weight byte read by one program),
+    # re-reads x (M x K) from L2, and runs bias, head norm, RoPE and the store in the epilogue: M x D / SPLIT
+    # elements to q_out or to the caches.
+    slot, part = tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT
+    kind, head, w_ptr, stride_w = _select_head(slot, n_heads_q, n_heads_kv, wq_ptr, wk_ptr, wv_ptr, stride_wq,
+                                               stride_wk, stride_wv)
+    d1, ok1, tail, tail_ok = _head_columns(part, half, head_dim, SPLIT, BLOCK_HALF_HEAD, BLOCK_TAIL)
+    rows_first, rows_second, rows_tail = head * head_dim + d1, head * head_dim + half + d1, head * head_dim + tail
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < n_rows
+    rstd = 0.0
+    if HAS_NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M, BLOCK_K)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
+    acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
+    for start in range(0, n_inner, BLOCK_K):
+        cols_k = start + tl.arange(0, BLOCK_K)
+        x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
+                          CAST_NORMED, wq_ptr.dtype.element_ty)
+        acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
+        acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
+        if HAS_TAIL:
+            acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
+    if HAS_BIAS:
+        _, _, b_ptr, _ = _select_head(slot, n_heads_q, n_heads_kv, bq_ptr, bk_ptr, bv_ptr, 0, 0, 0)
+        acc1 += tl.load(b_ptr + rows_first, mask=ok1, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(b_ptr + rows_second, mask=ok1, other=0.0).to(tl.float32)[None, :]
+        if HAS_TAIL:
+            acc_tail += tl.load(b_ptr + rows_tail, mask=tail_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = q_out_ptr.dtype.element_ty
+    _finish_head(
+        _cast(acc1, dtype).to(tl.float32), _cast(acc2, dtype).to(tl.float32), _cast(acc_tail, dtype).to(tl.float32), kind,
+        head, rows, row_ok, d1, ok1, tail, tail_ok,
+        q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+        seq_len, head_dim, half, cache_len, head_eps, offset,
+        stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
+
+
+_QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "HAS_HEAD_NORM"]
+_QKV_CONFIGS = [  # (SPLIT, BLOCK_K, warps, stages): SPLIT parts per head spread small models over more SMs;
+    # (1, 64, 4, 3) keeps whole heads of 256 (Gemma) within shared memory
+    triton.Config({"SPLIT": split, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for split, k, w, s in [(1, 128, 4, 4), (2, 128, 4, 4), (4, 128, 4, 4), (2, 256, 4, 3), (4, 256, 4, 3),
+                           (1, 256, 8, 2), (2, 64, 4, 4), (1, 64, 4, 3)]
+]
+_qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
+# a head norm needs the whole head in one program
+_qkv_rope_whole = autotune([c for c in _QKV_CONFIGS if c.kwargs["SPLIT"] == 1], key=_QKV_KEY)(_qkv_rope_kernel)
+
+
+@autotune([triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in [(16, 4), (32, 4), (64, 8), (8, 4)]],
+          key=["n_rows_bucket", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_HEAD_NORM"])
+@triton.jit
+def _qkv_epilogue_kernel(
+    q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr,
+    v_cache_ptr,
+    n_rows, n_rows_bucket, seq_len, n_heads_q, n_heads_kv, head_dim, half, cache_len,
+    stride_q, stride_k, stride_v,
+    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    head_eps, offset,
+    HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
+    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # Large-M epilogue after the cuBLAS projections. Program (i, slot) owns rows [i * BLOCK_M, +BLOCK_M) of head
+    # slot ``slot`` (q heads, then k, then v): reads their BLOCK_M x D projection values (bias already added) once,
+    # runs head norm and RoPE, and writes them once, to q_out or to the caches.
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < n_rows
+    kind, head, proj_ptr, stride_row = _select_head(tl.program_id(1), n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
+                                                    stride_q, stride_k, stride_v)
+    d1, ok1, tail, tail_ok = _head_columns(0, half, head_dim, 1, BLOCK_HALF_HEAD, BLOCK_TAIL)
+    row_base = (proj_ptr + rows * stride_row + head * head_dim)[:, None]
+    mask = row_ok[:, None] & ok1[None, :]
+    a1 = tl.load(row_base + d1[None, :], mask=mask, other=0.0).to(tl.float32)
+    a2 = tl.load(row_base + half + d1[None, :], mask=mask, other=0.0).to(tl.float32)
+    tail_values = tl.load(row_base + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :], other=0.0).to(tl.float32)
+    _finish_head(
+        a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok,
+        q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+        seq_len, head_dim, half, cache_len, head_eps, offset,
+        stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
+
+
+# ----------------------------------------------------------------------------------- launchers
+def _block_rows(n_rows: int) -> int:
+    """All M rows padded to a tl.dot tile side (>= 16)."""
+    return max(16, triton.next_power_of_2(n_rows))
+
+
+def _unit_stride(weight: Tensor) -> Tensor:
+    return weight if weight.stride(-1) == 1 else weight.contiguous()
+
+
+def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None) -> Tensor:
+    x2, residual2, weight = as_rows(x), as_rows(residual), _unit_stride(weight)
+    (n_rows, n_inner), n_out = x2.shape, weight.shape[0]
+    out = new_output(residual.shape, x.dtype, x.device)
+    out2 = out.view(-1, n_out)
+    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+    _linear_residual_kernel[grid](
+        x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2,
+        n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows))
+    return out
+
+
+def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
+                            up_weight: Tensor | None, activation: str, casting: str, offset: float) -> Tensor:
+    x2 = as_rows(x)
+    gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
+    (n_rows, n_inner), n_out = x2.shape, gate.shape[0]
+    out = new_output((*x.shape[:-1], n_out), x.dtype, x.device)
+    out2 = out.view(-1, n_out)
+    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+    _norm_gated_kernel[grid](
+        x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
+        n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
+        HAS_NORM=norm_weight is not None, CAST_NORMED=casting == "llama", ACTIVATION=activation,
+        BLOCK_M=_block_rows(n_rows))
+    return out
+
+
+def _head_blocks(head_dim: int, rotary_dim: int) -> dict:
+    """The head-shape constexprs of the q/k/v kernels (tile sides >= 16, as tl.dot needs)."""
+    tail = head_dim - rotary_dim
+    return {"HAS_TAIL": tail > 0, "BLOCK_HALF_HEAD": max(16, triton.next_power_of_2(rotary_dim // 2)),
+            "BLOCK_TAIL": max(16, triton.next_power_of_2(max(tail, 1)))}
+
+
+def _epilogue_strides(cos: Tensor, sin: Tensor, positions: Tensor, q_out: Tensor, k_cache: Tensor,
+                      v_cache: Tensor) -> tuple[int, ...]:
+    """cos, sin ([1 or B, T, R]: batch stride 0 when 1), positions ([B, T] or [T]: batch stride 0), q_out,
+    k_cache and v_cache strides, in the kernels' argument order."""
+    tables = [s for t in (cos, sin) for s in (0 if t.shape[0] == 1 else t.stride(0), t.stride(1), t.stride(2))]
+    position_strides = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    return (*tables, *position_strides, *q_out.stride(), *k_cache.stride(), *v_cache.stride())
+
+
+def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor, k_weight: Tensor,
+                   v_weight: Tensor, q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
+                   q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, head_eps: float, cos: Tensor,
+                   sin: Tensor, k_cache: Tensor, v_cache: Tensor, cache_positions: Tensor, num_heads: int,
+                   casting: str, offset: float) -> Tensor:
+    """The small-M kernel; q/k/v weights (and biases) are separate tensors or views of the packed one."""
+    batch, seq_len, _ = x.shape
+    num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
+    x2 = as_rows(x)
+    weights = [_unit_stride(w) for w in (q_weight, k_weight, v_weight)]
+    q_out = new_output((batch, num_heads, seq_len, head_dim), x.dtype, x.device)
+    has_head_norm = q_norm_weight is not None
+    kernel = _qkv_rope_whole if has_head_norm else _qkv_rope_split
+    grid = lambda meta: ((num_heads + 2 * num_kv_heads) * meta["SPLIT"],)  # noqa: E731
+    biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
+    head_norms = [w.contiguous() if w is not None else x2 for w in (q_norm_weight, k_norm_weight)]
+    kernel[grid](
+        x2, norm_weight.contiguous() if norm_weight is not None else x2, *weights, *biases, *head_norms,
+        cos, sin, cache_positions, q_out, k_cache, v_cache,
+        x2.shape[0], seq_len, x2.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2, cache_len,
+        x2.stride(0), *(w.stride(0) for w in weights),
+        *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
+        HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
+        CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]))
+    return q_out
+
+
+def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | None, k_norm_weight: Tensor | None,
+                       head_eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       cache_positions: Tensor, num_heads: int, seq_len: int, casting: str, offset: float) -> Tensor:
+    """The large-M epilogue over the cuBLAS projections q [M, Hq*D], k and v [M, Hkv*D] (unit column stride)."""
+    n_rows = q.shape[0]
+    num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
+    q_out = new_output((n_rows // seq_len, num_heads, seq_len, head_dim), q.dtype, q.device)
+    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_heads + 2 * num_kv_heads)  # noqa: E731
+    head_norms = [w.contiguous() if w is not None else q for w in (q_norm_weight, k_norm_weight)]
+    _qkv_epilogue_kernel[grid](
+        q, k, v, *head_norms, cos, sin, cache_positions, q_out, k_cache, v_cache,
+        n_rows, triton.next_power_of_2(n_rows), seq_len, num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2,
+        cache_len, q.stride(0), k.stride(0), v.stride(0),
+        *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), head_eps, offset,
+        HAS_HEAD_NORM=q_norm_weight is not None, CAST_NORMED=casting == "llama", **_head_blocks(head_dim, cos.shape[-1]))
+    return q_out
+
+
+# ----------------------------------------------------------------------------------- registration
+def _linear_residual_fake(x, weight, residual, bias):
+    return residual.new_empty(residual.shape)
+
+
+def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset):
+    n_out = gate_weight.shape[0] if up_weight is not None else gate_weight.shape[0] // 2
+    return x.new_empty((*x.shape[:-1], n_out))
+
+
+def _qkv_rope_fake(x, norm_weight, eps, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
+                   k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions, num_heads, casting, offset):
+    return x.new_empty((x.shape[0], num_heads, x.shape[1], k_cache.shape[-1]))
+
+
+def _qkv_epilogue_fake(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions,
+                       num_heads, seq_len, casting, offset):
+    return q.new_empty((q.shape[0] // seq_len, num_heads, seq_len, k_cache.shape[-1]))
+
+
+LINEAR_RESIDUAL = FusedOp("linear_residual", _linear_residual_impl, fake=_linear_residual_fake)
+NORM_GATED_LINEAR = FusedOp("norm_gated_linear", _norm_gated_linear_impl, fake=_norm_gated_linear_fake)
+QKV_ROPE = FusedOp("qkv_rope", _qkv_rope_impl, fake=_qkv_rope_fake, mutates_args=("k_cache", "v_cache"))
+QKV_EPILOGUE = FusedOp("qkv_rope_epilogue", _qkv_epilogue_impl, fake=_qkv_epilogue_fake,
+                       mutates_args=("k_cache", "v_cache"))
+
+
+# ----------------------------------------------------------------------------------- checks
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _check_weight(name: str, weight: Tensor, x: Tensor, n_out: int | None = None) -> None:
+    check_tensor(name, weight, rank=2)
+    check_same("x", x, **{name: weight})
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{name} has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}: "
+                         f"expected [N, {x.shape[-1]}] (nn.Linear layout)")
+    if n_out is not None and weight.shape[0] != n_out:
+        raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected [{n_out}, {x.shape[-1]}]")
+
+
+def _check_vector(name: str, t: Tensor | None, size: int, x: Tensor, same_dtype: bool = True) -> None:
+    if t is None:
+        return
+    check_tensor(name, t, rank=1)
+    if t.shape[0] != size:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{size}]")
+    (check_same if same_dtype else check_same_device)("x", x, **{name: t})
+
+
+def _check_norm(casting: str, norm_weight: Tensor | None, x: Tensor) -> None:
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    _check_vector("norm_weight", norm_weight, x.shape[-1], x, same_dtype=False)
+
+
+# ----------------------------------------------------------------------------------- public API
+def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``residual + x @ weight.T (+ bias)``: the o or down projection with the residual add in its epilogue.
+
+    Args:
+        x: [..., K], fp32/fp16/bf16 (any float dtype on the reference path); any strides.
+        weight: [N, K] (nn.Linear layout, read in place), x's dtype and device.
+        residual: [..., N] (x's leading shape), x's dtype and device; not modified.
+        bias: optional [N], x's dtype.
+
+    Returns:
+        [..., N] in x's dtype: the new residual stream. Accumulated in fp32 with the residual (and bias) added
+        before the one rounding, as ``torch.addmm(residual, x, weight.T)`` does; which is the path for more than
+        ``MAX_STREAMING_ROWS`` rows, or when an input requires grad.
+    """
+    check_tensor("x", x)
+    _check_weight("weight", weight, x)
+    check_tensor("residual", residual)
+    check_same("x", x, residual=residual)
+    if residual.shape != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {(*x.shape[:-1], weight.shape[0])} "
+                         "(x's leading shape, weight's N)")
+    _check_vector("bias", bias, weight.shape[0], x)
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (runs_triton(x) and 0 < n_rows <= MAX_STREAMING_ROWS and x.shape[-1] > 0
+            and not _needs_grad(x, weight, residual, bias)):
+        return LINEAR_RESIDUAL(x, weight, residual, bias)
+    return linear_residual_reference(x, weight, residual, bias)
+
+
+def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
+                      up_weight: Tensor | None = None, *, activation: str = "silu", casting: str = "llama",
+                      offset: float = 0.0) -> Tensor:
+    """The gated MLP's first half: ``act(norm(x) @ gate_weight.T) * (norm(x) @ up_weight.T)``.
+
+    Args:
+        x: [..., K], fp32/fp16/bf16 (any float dtype on the reference path); any strides.
+        norm_weight: [K] RMSNorm weight (any float dtype), or None to skip the norm (x is already normed).
+        eps, casting, offset: the norm's, as :func:`fuselm.rms_norm` (Gemma: ``casting="gemma"``, offset 1.0).
+        gate_weight: [I, K] (nn.Linear layout, read in place), x's dtype; with ``up_weight=None`` Phi-3's packed
+            [2I, K] gate_up weight, gate rows first.
+        up_weight: [I, K] or None.
+        activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+
+    Returns:
+        [..., I] in x's dtype. Up to ``MAX_STREAMING_ROWS`` rows (and no input requiring grad): one
+        weight-streaming kernel; otherwise fuselm.rms_norm, cuBLAS GEMM(s) and fuselm's silu_mul/gelu_tanh_mul.
+    """
+    check_tensor("x", x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_norm(casting, norm_weight, x)
+    _check_weight("gate_weight", gate_weight, x)
+    if up_weight is None:
+        if gate_weight.shape[0] % 2:
+            raise ValueError(f"gate_weight (packed gate_up, up_weight=None) must have an even first dimension, "
+                             f"got shape {tuple(gate_weight.shape)}")
+    else:
+        _check_weight("up_weight", up_weight, x, gate_weight.shape[0])
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not runs_triton(x) or x.shape[-1] == 0:
+        return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
+    if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
+        if norm_weight is not None and n_rows > PROLOGUE_NORM_MAX_ROWS:
+            x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
+        return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
+    h = x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype)
+    if up_weight is None:
+        return _GATED_GLU[activation](F.linear(h, gate_weight))
+    return _GATED_GLU[activation](F.linear(h, gate_weight), F.linear(h, up_weight))
+
+
+def _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
+                    num_heads, num_kv_heads, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, casting) -> None:
+    check_tensor("x", x, rank=3)
+    batch, seq_len, _ = x.shape
+    _check_norm(casting, norm_weight, x)
+    for name, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+            raise ValueError(f"{name} must be a positive int, got {heads!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, cache, rank=4)
+        check_same("x", x, **{name: cache})
+        if cache.shape[0] != batch or cache.shape[1] != num_kv_heads:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected [B={batch}, Hkv={num_kv_heads}, L, D]")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}")
+    head_dim = k_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if (k_weight is None) != (v_weight is None):
+        raise ValueError("k_weight and v_weight must both be given (separate q/k/v) or both be None (packed qkv)")
+    if k_weight is None:
+        _check_weight("q_weight", q_weight, x, q_size + 2 * kv_size)
+        if k_bias is not None or v_bias is not None:
+            raise ValueError("with a packed q_weight, pass the packed bias as q_bias (k_bias and v_bias must be None)")
+        _check_vector("q_bias", q_bias, q_size + 2 * kv_size, x)
+    else:
+        _check_weight("q_weight", q_weight, x, q_size)
+        _check_weight("k_weight", k_weight, x, kv_size)
+        _check_weight("v_weight", v_weight, x, kv_size)
+        if len({b is None for b in (q_bias, k_bias, v_bias)}) > 1:
+            raise ValueError("q_bias, k_bias and v_bias must all be given or all be None")
+        for name, bias, size in (("q_bias", q_bias, q_size), ("k_bias", k_bias, kv_size), ("v_bias", v_bias, kv_size)):
+            _check_vector(name, bias, size, x)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must both be given or both be None")
+    _check_vector("q_norm_weight", q_norm_weight, head_dim, x, same_dtype=False)
+    _check_vector("k_norm_weight", k_norm_weight, head_dim, x, same_dtype=False)
+    if q_norm_weight is not None and q_norm_weight.dtype != k_norm_weight.dtype:
+        raise TypeError(f"k_norm_weight has dtype {k_norm_weight.dtype} but q_norm_weight has {q_norm_weight.dtype}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table, rank=3)
+        check_same_device("x", x, **{name: table})
+        if table.shape[0] not in (1, batch) or table.shape[1] != seq_len:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}, expected [1 or B={batch}, T={seq_len}, R]")
+    rotary_dim = cos.shape[-1]
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"sin ({tuple(sin.shape)}, {sin.dtype}) must match cos ({tuple(cos.shape)}, {cos.dtype})")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"cos's last dim (rotary_dim) must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+    if not isinstance(cache_positions, torch.Tensor) or cache_positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_positions must be an int32 or int64 tensor, got "
+                        f"{getattr(cache_positions, 'dtype', type(cache_positions).__name__)}")
+    check_same_device("x", x, cache_positions=cache_positions)
+    if tuple(cache_positions.shape) not in ((batch, seq_len), (seq_len,)):
+        raise ValueError(f"cache_positions has shape {tuple(cache_positions.shape)}, expected [B={batch}, "
+                         f"T={seq_len}] or [T={seq_len}]")
+
+
+def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor, k_weight: Tensor | None,
+             v_weight: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+             cache_positions: Tensor, *, num_heads: int, num_kv_heads: int, q_bias: Tensor | None = None,
+             k_bias: Tensor | None = None, v_bias: Tensor | None = None, q_norm_weight: Tensor | None = None,
+             k_norm_weight: Tensor | None = None, qk_norm_eps: float | None = None, casting: str = "llama",
+             offset: float = 0.0) -> Tensor:
+    """Attention's input side: RMSNorm, q/k/v projections (+ biases), q/k head norms, RoPE, KV-cache write.
+
+    Args:
+        x: [B, T, hidden], fp32/fp16/bf16 (any float dtype on the reference path); any strides.
+        norm_weight: [hidden] input RMSNorm weight (any float dtype), or None (x already normed).
+        eps, casting, offset: the norms' (layer norm and head norms), as :func:`fuselm.rms_norm`.
+        q_weight, k_weight, v_weight: [Hq*D, hidden], [Hkv*D, hidden], [Hkv*D, hidden] (nn.Linear layout, read in
+            place), x's dtype; or Phi-3's packed q_weight [(Hq + 2 Hkv) * D, hidden] with k_weight = v_weight = None.
+        cos, sin: [1 or B, T, R] as HF's rotary embedding returns them (R even, <= D: partial rotary leaves
+            d >= R unrotated; any scaling is inside them), any float dtype.
+        k_cache, v_cache: [B, Hkv, L, D], x's dtype and device, any strides: written in place with the new
+            rotated k and the new v at ``cache_positions``; nothing else in them is touched.
+        cache_positions: [B, T] or [T] (shared by every row), int32/int64, each in [0, L) (a position outside it
+            writes nothing).
+        num_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv).
+        q_bias, k_bias, v_bias: optional [Hq*D], [Hkv*D], [Hkv*D] (Qwen2); the packed [(Hq + 2 Hkv) * D] as q_bias.
+        q_norm_weight, k_norm_weight: optional [D] per-head RMSNorm weights (Qwen3, Gemma3), applied before RoPE
+            with eps ``qk_norm_eps`` (default ``eps``).
+
+    Returns:
+        q [B, Hq, T, D] (contiguous) in x's dtype, normed and rotated. Up to ``MAX_STREAMING_ROWS`` rows (B * T):
+        one weight-streaming kernel; more: fuselm.rms_norm, one cuBLAS GEMM per weight and one epilogue kernel.
+        No autograd: with grad mode on and an input requiring grad, the PyTorch reference runs.
+    """
+    _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
+                    num_heads, num_kv_heads, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, casting)
+    head_eps = eps if qk_norm_eps is None else qk_norm_eps
+    biases = (q_bias, k_bias, v_bias)
+    if (not runs_triton(x) or x.shape[-1] == 0
+            or _needs_grad(x, norm_weight, q_weight, k_weight, v_weight, *biases, q_norm_weight, k_norm_weight)):
+        return qkv_rope_reference(x, norm_weight, eps, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache,
+                                  cache_positions, num_heads, num_kv_heads, *biases, q_norm_weight, k_norm_weight,
+                                  head_eps, casting, offset)
+    batch, seq_len, _ = x.shape
+    n_rows = batch * seq_len
+    head_dim = k_cache.shape[-1]
+    if n_rows == 0:
+        return x.new_empty((batch, num_heads, seq_len, head_dim))
+    (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
+                                                head_dim)
+    if n_rows <= MAX_STREAMING_ROWS:
+        if norm_weight is not None and n_rows > PROLOGUE_NORM_MAX_ROWS:
+            x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
+        return QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
+                        k_cache, v_cache, cache_positions, num_heads, casting, offset)
+    h = as_rows(x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype))
+    if k_weight is None:  # one GEMM against the packed weight; q, k and v are column slices of its output
+        q, k, v = F.linear(h, q_weight, q_bias).split([num_heads * head_dim, *2 * [num_kv_heads * head_dim]], dim=1)
+    else:
+        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    return QKV_EPILOGUE(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions,
+                        num_heads, seq_len, casting, offset)

@@ -1,0 +1,367 @@
+"""linear_residual, norm_gated_linear and qkv_rope against float64 references (interpreter on CPU, GPU).
+
+Rows M = 1, 3 and 17 take the weight-streaming kernels (17: past the prologue-norm threshold, so the norm runs
+first), M = 80 the cuBLAS path (plain torch matmul on CPU). Outputs and the KV caches start as NaN: a cache keeps
+NaN everywhere except at the positions each row writes.
+"""
+
+import pytest
+import torch
+
+import fuselm
+from fuselm.backend import INTERPRETING
+from fuselm.ops import decode_linear
+from fuselm.ops._common import forced_config
+from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
+from tests.conftest import DEVICE
+from tests.helpers import assert_close
+from tests.helpers import randn as randn_on
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = [1, 3, 17, 80]  # 80 > MAX_STREAMING_ROWS: the cuBLAS path
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    return randn_on(*shape, dtype=dtype, device=DEVICE, scale=scale)
+
+
+def _double(t):
+    return None if t is None else t.double()
+
+
+def _rows_input(n_rows, n_inner, dtype, contiguous=True):
+    """x [n_rows, n_inner]; non-contiguous: every other column of a wider tensor."""
+    if contiguous:
+        return randn(n_rows, n_inner, dtype=dtype)
+    return randn(n_rows, 2 * n_inner, dtype=dtype)[:, ::2]
+
+
+# ----------------------------------------------------------------------------------- linear_residual
+def _check_linear_residual(n_rows, dtype, has_bias, contiguous=True, leading=()):
+    x = _rows_input(n_rows, 40, dtype, contiguous)
+    if leading:
+        x = x.reshape(*leading, -1, 40)
+    weight = randn(24, 40, dtype=dtype, scale=0.2)
+    residual = randn(*x.shape[:-1], 24, dtype=dtype)
+    bias = randn(24, dtype=dtype) if has_bias else None
+    residual_before = residual.clone()
+    with torch.no_grad():
+        out = fuselm.linear_residual(x, weight, residual, bias)
+    expected = linear_residual_reference(x.double(), weight.double(), residual.double(), _double(bias))
+    assert out.dtype == dtype and out.shape == residual.shape
+    assert torch.equal(residual, residual_before)  # the caller's residual is not modified
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("n_rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_linear_residual_matches_float64(path, n_rows, dtype, has_bias):
+    _check_linear_residual(n_rows, dtype, has_bias)
+
+
+def test_linear_residual_non_contiguous_and_leading_dims(path):
+    _check_linear_residual(3, torch.bfloat16, True, contiguous=False)
+    _check_linear_residual(6, torch.float32, False, leading=(2,))
+
+
+def test_linear_residual_keeps_autograd():
+    x = randn(3, 40).requires_grad_()
+    weight, residual = randn(24, 40).requires_grad_(), randn(3, 24)
+    with fuselm.use_backend("triton"):
+        out = fuselm.linear_residual(x, weight, residual)
+    out.sum().backward()
+    assert_close(weight.grad, torch.ones(3, 24, dtype=torch.float64).T @ x.double(), torch.float32)
+
+
+# ----------------------------------------------------------------------------------- norm_gated_linear
+def _check_norm_gated(n_rows, dtype, activation="silu", packed=False, norm="llama", contiguous=True):
+    x = _rows_input(n_rows, 40, dtype, contiguous)
+    norm_weight = None if norm is None else 1 + 0.1 * randn(40, dtype=dtype)
+    casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
+    gate_up = randn(48, 40, dtype=dtype, scale=0.3)
+    weights = (gate_up, None) if packed else (gate_up[:24].clone(), gate_up[24:].clone())
+    with torch.no_grad():
+        out = fuselm.norm_gated_linear(x, norm_weight, 1e-5, *weights, activation=activation, casting=casting,
+                                       offset=offset)
+    expected = norm_gated_linear_reference(x.double(), _double(norm_weight), 1e-5, *map(_double, weights), activation,
+                                           casting, offset)
+    assert out.dtype == dtype and out.shape == (n_rows, 24)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter: exp(large) = inf
+@pytest.mark.parametrize("n_rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_norm_gated_linear_matches_float64(path, n_rows, dtype, activation):
+    _check_norm_gated(n_rows, dtype, activation)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("n_rows", [3, 17, 80])
+@pytest.mark.parametrize(("packed", "norm"), [(True, "llama"), (False, "gemma"), (True, None), (False, None)])
+def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
+    _check_norm_gated(n_rows, torch.bfloat16, "gelu_tanh" if norm == "gemma" else "silu", packed, norm)
+
+
+@pytest.mark.parametrize("prologue_max_rows", [0, 64])
+def test_norm_in_prologue_and_norm_first_agree(monkeypatch, prologue_max_rows):
+    """Both sides of PROLOGUE_NORM_MAX_ROWS, at one M: the prologue norm and fuselm.rms_norm first."""
+    monkeypatch.setattr(decode_linear, "PROLOGUE_NORM_MAX_ROWS", prologue_max_rows)
+    with fuselm.use_backend("triton"):
+        _check_norm_gated(5, torch.float32, norm="gemma", contiguous=False)
+        _check_qkv(1, 5, torch.float32)
+
+
+# ----------------------------------------------------------------------------------- qkv_rope
+def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16, rotary_dim=None, packed=False,
+                bias=False, head_norm=False, casting="llama", shared_positions=False, cos_batch=1, cache_len=None,
+                strided=False, hidden=40):
+    """(args, options) of a qkv_rope call; caches NaN. strided: x, cos and sin every other element of wider
+    tensors, caches [B, L, Hkv, D] in memory (viewed as [B, Hkv, L, D])."""
+    rotary_dim = rotary_dim or head_dim
+    cache_len = cache_len or seq_len + 5
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    weight = randn(q_size + 2 * kv_size, hidden, dtype=dtype, scale=2 / hidden**0.5)
+    bias_all = randn(q_size + 2 * kv_size, dtype=dtype) if bias else None
+    if packed:
+        weights, biases = (weight, None, None), {"q_bias": bias_all}
+    else:
+        weights = tuple(w.clone() for w in weight.split([q_size, kv_size, kv_size]))
+        biases = dict(zip(("q_bias", "k_bias", "v_bias"), bias_all.split([q_size, kv_size, kv_size]))) if bias else {}
+    positions = torch.stack([torch.randperm(cache_len, device=DEVICE)[:seq_len] for _ in range(batch)]) if batch else (
+        torch.zeros(0, seq_len, dtype=torch.long, device=DEVICE))
+    if shared_positions:
+        positions = positions[0].int()
+    angles = randn(cos_batch, seq_len, 2 * rotary_dim, scale=3.0)[..., ::2] if strided else randn(
+        cos_batch, seq_len, rotary_dim, scale=3.0)
+    cache_shape = (batch, cache_len, num_kv_heads, head_dim) if strided else (batch, num_kv_heads, cache_len, head_dim)
+    cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    if strided:
+        cache = cache.transpose(1, 2)
+    x = randn(batch, seq_len, 2 * hidden, dtype=dtype)[..., ::2] if strided else randn(batch, seq_len, hidden,
+                                                                                          dtype=dtype)
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, **biases, "casting": casting,
+               "offset": 1.0 if casting == "gemma" else 0.0}
+    if head_norm:
+        options |= {"q_norm_weight": 1 + 0.1 * randn(head_dim), "k_norm_weight": 1 + 0.1 * randn(head_dim),
+                    "qk_norm_eps": 1e-5}
+    args = [x, 1 + 0.1 * randn(hidden, dtype=dtype), 1e-6, *weights,
+            angles.cos(), angles.sin(), cache, cache.clone(), positions]
+    return args, options
+
+
+def _check_qkv(batch, seq_len, dtype, **variant):
+    args, options = _qkv_inputs(batch, seq_len, dtype, **variant)
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    options64 = {k: _double(v) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    expected = qkv_rope_reference(*args64, **options64)
+    with torch.no_grad():
+        q = fuselm.qkv_rope(*args, **options)
+    assert q.dtype == dtype and q.shape == expected.shape and q.is_contiguous()
+    assert_close(q, expected, dtype, "q")
+    for name, cache, cache64 in (("k_cache", args[8], args64[8]), ("v_cache", args[9], args64[9])):
+        written = ~cache64.isnan()
+        assert torch.equal(~cache.isnan(), written), f"{name}: written elements differ from the reference's"
+        assert_close(cache[written], cache64[written], dtype, name)
+
+
+@pytest.mark.parametrize(("batch", "seq_len"), [(1, 1), (3, 1), (1, 17), (2, 40)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_matches_float64(path, batch, seq_len, dtype):
+    _check_qkv(batch, seq_len, dtype)
+
+
+QKV_VARIANTS = {
+    "packed": {"packed": True},
+    "bias": {"bias": True},
+    "packed_bias_partial": {"packed": True, "bias": True, "head_dim": 32, "rotary_dim": 20},
+    "head_norm": {"head_norm": True},
+    "head_norm_gemma_partial": {"head_norm": True, "casting": "gemma", "rotary_dim": 12},
+    "gqa_shared_positions": {"num_heads": 4, "num_kv_heads": 2, "shared_positions": True, "cos_batch": 2},
+}
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+@pytest.mark.parametrize(("batch", "seq_len"), [(2, 1), (1, 17), (2, 40)])
+def test_qkv_rope_variants(path, variant, batch, seq_len):
+    options = QKV_VARIANTS[variant]
+    if options.get("cos_batch") and batch == 1:
+        options = {**options, "cos_batch": 1}
+    _check_qkv(batch, seq_len, torch.bfloat16, **options)
+
+
+@pytest.mark.parametrize(("batch", "seq_len"), [(2, 3), (2, 40)])
+def test_qkv_rope_strided_input_and_cache(path, batch, seq_len):
+    _check_qkv(batch, seq_len, torch.float32, strided=True, head_norm=True)
+
+
+# ----------------------------------------------------------------------------------- bad input
+def _call_qkv(**changes):
+    args, options = _qkv_inputs(2, 3, torch.float32)
+    names = ["x", "norm_weight", "eps", "q_weight", "k_weight", "v_weight", "cos", "sin", "k_cache", "v_cache",
+             "cache_positions"]
+    named = dict(zip(names, args)) | options
+    named.update(changes)
+    fuselm.qkv_rope(*[named.pop(n) for n in names], **named)
+
+
+@pytest.mark.parametrize(("changes", "error", "match"), [
+    ({"k_cache": torch.zeros(2, 1, 8, 16, dtype=torch.bfloat16)}, TypeError, "k_cache"),
+    ({"v_cache": torch.zeros(2, 1, 8, 16, device="meta")}, ValueError, "v_cache"),
+    ({"cache_positions": torch.zeros(2, 3)}, TypeError, "cache_positions"),
+    ({"cache_positions": torch.zeros(3, 2, dtype=torch.long)}, ValueError, "cache_positions"),
+    ({"num_heads": 3, "num_kv_heads": 2}, ValueError, "num_kv_heads"),
+    ({"q_weight": torch.zeros(40, 40)}, ValueError, "q_weight"),
+    ({"k_weight": torch.zeros(16, 41)}, ValueError, "k_weight"),
+    ({"v_weight": None}, ValueError, "v_weight"),
+    ({"k_bias": torch.zeros(16)}, ValueError, "q_bias"),
+    ({"q_norm_weight": torch.ones(16)}, ValueError, "k_norm_weight"),
+    ({"cos": torch.zeros(1, 3, 18), "sin": torch.zeros(1, 3, 18)}, ValueError, "rotary_dim"),
+    ({"sin": torch.zeros(1, 4, 16)}, ValueError, "sin"),
+    ({"casting": "phi"}, ValueError, "casting"),
+    ({"x": torch.zeros(6, 40)}, ValueError, "x"),
+])
+def test_qkv_rope_bad_input(changes, error, match):
+    with pytest.raises(error, match=match):
+        _call_qkv(**changes)
+
+
+def test_projection_bad_input():
+    x, w = randn(3, 40), randn(24, 40)
+    with pytest.raises(ValueError, match="residual"):
+        fuselm.linear_residual(x, w, randn(3, 25))
+    with pytest.raises(TypeError, match="weight"):
+        fuselm.linear_residual(x, w.half(), randn(3, 24))
+    with pytest.raises(ValueError, match="bias"):
+        fuselm.linear_residual(x, w, randn(3, 24), randn(23))
+    with pytest.raises(ValueError, match="up_weight"):
+        fuselm.norm_gated_linear(x, None, 1e-6, w, randn(23, 40))
+    with pytest.raises(ValueError, match="gate_weight"):
+        fuselm.norm_gated_linear(x, None, 1e-6, randn(23, 40))
+    with pytest.raises(ValueError, match="norm_weight"):
+        fuselm.norm_gated_linear(x, randn(39), 1e-6, w, w)
+    with pytest.raises(ValueError, match="activation"):
+        fuselm.norm_gated_linear(x, None, 1e-6, w, w, activation="relu")
+
+
+def test_empty_rows(path):
+    x = randn(0, 40)
+    assert fuselm.linear_residual(x, randn(24, 40), randn(0, 24)).shape == (0, 24)
+    assert fuselm.norm_gated_linear(x, randn(40), 1e-6, randn(24, 40), randn(24, 40)).shape == (0, 24)
+    args, options = _qkv_inputs(0, 3, torch.float32)
+    assert fuselm.qkv_rope(*args, **options).shape == (0, 3, 3, 16)
+
+
+# ----------------------------------------------------------------------------------- every autotune config
+# The forced-config checks use shapes every config fits on an H200 (shared memory: fp32 only where a config's
+# tiles are small enough; the autotuner skips the configs that do not fit a shape, a forced config cannot).
+def _check_streaming_configs():
+    for n_rows, dtype in ((3, torch.float32), (17, torch.bfloat16), (40, torch.float16)):  # BLOCK_M 16, 32, 64
+        _check_linear_residual(n_rows, dtype, True)
+        _check_norm_gated(n_rows, torch.bfloat16 if dtype == torch.float32 else dtype, "silu", packed=n_rows == 3)
+
+
+def _check_qkv_configs(head_norm):
+    # head_dim 128 (64 pairs, 32 tail columns with rotary_dim 96): every SPLIT keeps tl.dot tiles >= 16
+    for rotary_dim, dtype in ((128, torch.float16), (96, torch.bfloat16)):
+        _check_qkv(1, 3, dtype, head_dim=128, rotary_dim=rotary_dim, bias=True, head_norm=head_norm)
+
+
+DECODE_FAMILIES = [  # (name, the kernel whose configs are forced, a check that runs it)
+    ("linear_residual", decode_linear._linear_residual_kernel, _check_streaming_configs),
+    ("norm_gated", decode_linear._norm_gated_kernel, _check_streaming_configs),
+    ("qkv_rope_split", decode_linear._qkv_rope_split, lambda: _check_qkv_configs(False)),
+    ("qkv_rope_whole", decode_linear._qkv_rope_whole, lambda: _check_qkv_configs(True)),
+    ("qkv_epilogue", decode_linear._qkv_epilogue_kernel,
+     lambda: _check_qkv(2, 40, torch.float32, head_norm=True, rotary_dim=10, packed=True)),
+]
+
+
+def _config_id(config):
+    return "-".join(f"{name}{value}" for name, value in config.kwargs.items()) + f"-w{config.num_warps}"
+
+
+@pytest.mark.parametrize(("kernel", "check", "index"), [
+    pytest.param(kernel, check, index, id=f"{name}-{_config_id(config)}")
+    for name, kernel, check in DECODE_FAMILIES for index, config in enumerate(kernel.configs)
+])
+def test_every_config_matches_float64(kernel, check, index):
+    configs = kernel.configs
+    with fuselm.use_backend("triton"), forced_config(kernel, index):
+        check()
+    assert kernel.configs is configs
+    assert not INTERPRETING or kernel.best_config is configs[0]
+
+
+# ----------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_qkv_rope_decode_step_replays_in_a_cuda_graph():
+    """One captured call, replayed with new x and new positions: q and the caches match eager calls."""
+    args, options = _qkv_inputs(4, 1, torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=64, cache_len=32)
+    static_x, static_positions = args[0], args[10]
+    with torch.no_grad():
+        fuselm.qkv_rope(*args, **options)  # warm-up: compiles and autotunes
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_q = fuselm.qkv_rope(*args, **options)
+        for _ in range(3):
+            static_x.copy_(randn(*static_x.shape, dtype=torch.bfloat16))
+            static_positions.copy_(torch.randint(0, 32, static_positions.shape, device=DEVICE))
+            eager_caches = [args[8].clone(), args[9].clone()]
+            eager_q = fuselm.qkv_rope(*args[:8], *eager_caches, static_positions, **options)
+            graph.replay()
+            torch.testing.assert_close(static_q, eager_q, rtol=0, atol=0)
+            torch.testing.assert_close(args[8], eager_caches[0], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(args[9], eager_caches[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 8, 17, 64, 65])
+def test_llama_sized_projections_match_float64(n_rows):
+    """Real model widths (hidden 4096, heads of 128) through the GPU kernels: long K loops, many programs, the
+    autotuner's pick among the configs."""
+    x, residual = randn(n_rows, 4096, dtype=torch.bfloat16), randn(n_rows, 1024, dtype=torch.bfloat16)
+    weight, norm_weight = randn(1024, 4096, dtype=torch.bfloat16, scale=0.02), 1 + 0.1 * randn(4096)
+    with torch.no_grad():
+        out = fuselm.linear_residual(x, weight, residual)
+        gated = fuselm.norm_gated_linear(x, norm_weight.bfloat16(), 1e-5, weight, weight.flip(0))
+    assert_close(out, linear_residual_reference(x.double(), weight.double(), residual.double()), torch.bfloat16)
+    expected = norm_gated_linear_reference(x.double(), norm_weight.bfloat16().double(), 1e-5, weight.double(),
+                                           weight.flip(0).double())
+    assert_close(gated, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 8, 64, 65])
+@pytest.mark.parametrize("variant", [{}, {"head_norm": True}, {"packed": True, "rotary_dim": 96, "bias": True}])
+def test_llama_sized_qkv_rope_matches_float64(n_rows, variant):
+    _check_qkv(n_rows, 1, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, cache_len=80, hidden=4096,
+               **variant)
+
+
+def test_torch_compile_traces_the_fused_ops_without_graph_breaks():
+    """Under torch.compile the ops are fuselm:: custom ops (fake impls for tracing; qkv_rope's cache writes
+    functionalised): no graph break, the same results as eager and the same cache writes."""
+    x, weight, residual = randn(3, 40), randn(24, 40, scale=0.3), randn(3, 24)
+    norm_weight, up = 1 + 0.1 * randn(40), randn(24, 40, scale=0.3)
+    args, options = _qkv_inputs(3, 1, torch.float32)
+
+    def step(x, weight, residual, norm_weight, up, qkv_args):
+        out = fuselm.linear_residual(x, weight, residual)
+        gated = fuselm.norm_gated_linear(x, norm_weight, 1e-6, weight, up)
+        return out, gated, fuselm.qkv_rope(*qkv_args, **options)
+
+    compiled_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with fuselm.use_backend("triton"), torch.no_grad():
+        eager = step(x, weight, residual, norm_weight, up, args)
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, weight, residual, norm_weight, up,
+                                                                            compiled_args)
+        explained = torch._dynamo.explain(step)(x, weight, residual, norm_weight, up, [
+            a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    assert explained.graph_break_count == 0
+    for got, expected in zip(compiled, eager):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for got, expected in zip(compiled_args[8:10], args[8:10]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
