@@ -269,7 +269,7 @@ def _check_qkv_configs(head_norm):
         _check_qkv(1, 3, dtype, head_dim=128, rotary_dim=rotary_dim, bias=True, head_norm=head_norm)
 
 
-DECODE_FAMILIES = [  # (name, the kernel whose configs are forced, a check that runs it)
+DECODE_CONFIG_CHECKS = [  # (name, the kernel whose configs are forced, a check that runs it)
     ("linear_residual", decode_linear._linear_residual_kernel, _check_streaming_configs),
     ("norm_gated", decode_linear._norm_gated_kernel, _check_streaming_configs),
     ("qkv_rope_split", decode_linear._qkv_rope_split, lambda: _check_qkv_configs(False)),
@@ -285,7 +285,7 @@ def _config_id(config):
 
 @pytest.mark.parametrize(("kernel", "check", "index"), [
     pytest.param(kernel, check, index, id=f"{name}-{_config_id(config)}")
-    for name, kernel, check in DECODE_FAMILIES for index, config in enumerate(kernel.configs)
+    for name, kernel, check in DECODE_CONFIG_CHECKS for index, config in enumerate(kernel.configs)
 ])
 def test_every_config_matches_float64(kernel, check, index):
     configs = kernel.configs
