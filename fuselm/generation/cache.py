@@ -191,6 +191,8 @@ class FusedKVCache(StaticCache):
         # starts and ends side by side, so plan() sets both with one copy
         self._row_lengths = torch.zeros(2, batch_size, dtype=torch.int32, device=device)
         self._starts, self._ends = self._row_lengths.unbind(0)
+        self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=device)  # slot offsets of a step
+        self.step_slots = self._offsets[:0].expand(batch_size, 0)
         layers = []
         for layer_config, window in zip(config.per_layer_config, windows, strict=True):
             kv_heads, head_dim = head_facts(layer_config)
@@ -252,8 +254,17 @@ class FusedKVCache(StaticCache):
 
     def advance(self, num_tokens: int) -> None:
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
-        Each layer then writes them at slots ``ends - num_tokens .. ends - 1``."""
+        Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32."""
         self._ends.add_(num_tokens)
+        self.step_slots = self._ends.unsqueeze(1) - num_tokens + self._offsets[:num_tokens]
+
+    def open_step(self, num_tokens: int, position_ids: Tensor | None = None) -> None:
+        """A fused forward's :meth:`advance`, also setting ``starts`` from the new tokens' position ids
+        ([1 or B, T]; a row's start is its last slot minus that token's position, which skips its left padding,
+        as HF's ``generate`` numbers positions). None keeps the planned starts. Device work only."""
+        self.advance(num_tokens)
+        if position_ids is not None:
+            self._starts.copy_(self._ends - 1 - position_ids[:, -1])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:

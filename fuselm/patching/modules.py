@@ -186,6 +186,12 @@ class FusedDecoderLayer:
         """hidden_states: [batch, seq, hidden] -> [batch, seq, hidden]."""
         spec = self._fuselm_layer
         kwargs.update(zip(spec.positional, args))
+        facts = self._decode_facts(hidden_states, kwargs)
+        if facts is not None:
+            from fuselm.patching.decode import decode_step
+
+            cos, sin = kwargs["position_embeddings"]
+            return decode_step(self, hidden_states, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts)
         for name, default in spec.attention_defaults:
             kwargs.setdefault(name, default)
         residual = hidden_states
@@ -200,6 +206,21 @@ class FusedDecoderLayer:
         if spec.sandwich_norms:
             mlp_out = self.post_feedforward_layernorm(mlp_out)
         return self._add_and_prime(self._residual_branch(mlp_out, 1), residual)
+
+    def _decode_facts(self, hidden_states: Tensor, kwargs: dict):
+        """The layer's attention facts when this call takes the fused decode step (see ``decode.py``), else None:
+        a FusedKVCache, at most DECODE_MAX_TOKENS new tokens, eval mode, no attention weights asked for, and a
+        head_dim that decode_attention supports."""
+        from fuselm.generation.cache import FusedKVCache
+        from fuselm.ops.attention import HEAD_DIMS
+        from fuselm.patching.decode import DECODE_MAX_TOKENS, layer_facts
+
+        if (not isinstance(_cache_of(kwargs), FusedKVCache) or self.training or hidden_states.dim() != 3
+                or hidden_states.shape[1] > DECODE_MAX_TOKENS or kwargs.get("output_attentions")
+                or not isinstance(kwargs.get("position_embeddings"), tuple)):
+            return None
+        facts = layer_facts(self)
+        return facts if facts is not None and facts.head_dim in HEAD_DIMS else None
 
     def _residual_branch(self, branch: Tensor, index: int) -> Tensor:
         dropouts = self._fuselm_layer.residual_dropouts
@@ -216,3 +237,9 @@ class FusedDecoderLayer:
         normed, total = norm.add_forward(branch, residual)
         setattr(total, _PRIMED, (norm, total._version, normed))
         return total
+
+
+def _cache_of(kwargs: dict):
+    """The cache a decoder layer was given (transformers >= 5.24 names it ``cache``, earlier ``past_key_values``)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
