@@ -65,13 +65,26 @@ def head_facts(config: PreTrainedConfig) -> tuple[int, int]:
 
 
 def sliding_windows(config: PreTrainedConfig) -> tuple[int | None, ...]:
-    """Per layer, the sliding window of a ``sliding_attention`` layer or None for a ``full_attention`` one."""
+    """Per layer, the sliding window of a ``sliding_attention`` layer or None for a ``full_attention`` one.
+
+    transformers' own reading of the config: before 5.24 one kwargs dict shared by every layer, from 5.24 a list
+    with one per layer."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unsupported:
         raise ValueError(f"model_or_config: layer types {unsupported} are not supported (full_attention and "
                          "sliding_attention are)")
-    return tuple(kwargs.get("sliding_window") for kwargs in layer_kwargs)
+    if isinstance(layer_kwargs, dict):
+        layer_kwargs = [layer_kwargs] * len(layer_types)
+    return tuple(kwargs.get("sliding_window") if kind == "sliding_attention" else None
+                 for kind, kwargs in zip(layer_types, layer_kwargs, strict=True))
+
+
+def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:
+    """One config per decoder layer: transformers >= 5.24's per-layer configs (heterogeneous models), else the
+    model's own for every layer."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return list(per_layer) if per_layer else [config] * config.num_hidden_layers
 
 
 class FusedKVLayer(CacheLayerMixin):
@@ -194,7 +207,7 @@ class FusedKVCache(StaticCache):
         self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=device)  # slot offsets of a step
         self.step_slots = self._offsets[:0].expand(batch_size, 0)
         layers = []
-        for layer_config, window in zip(config.per_layer_config, windows, strict=True):
+        for layer_config, window in zip(layer_configs(config), windows, strict=True):
             kv_heads, head_dim = head_facts(layer_config)
             shape = (batch_size, kv_heads, max_cache_len, head_dim)
             keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))

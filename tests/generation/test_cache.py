@@ -2,11 +2,13 @@
 sliding window, more new tokens than prompt), the device lengths follow the mask at every step, the buffers hold
 StaticCache's states, storage is reused, a patched model agrees, and bad arguments are named."""
 
+import inspect
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoConfig, LogitsProcessor, LogitsProcessorList, PreTrainedConfig, StaticCache
+from transformers import AutoConfig, LlamaModel, LogitsProcessor, LogitsProcessorList, PreTrainedConfig, StaticCache
 
 import fuselm
 from fuselm.generation import FusedKVCache
@@ -51,6 +53,10 @@ class LengthsRecorder(LogitsProcessor):
         return scores
 
 
+# the cache argument's name: transformers 5.24 renamed past_key_values (kept as a deprecated alias) to cache
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
 def greedy(model, ids, mask, auto_compile=False, **kwargs):
     """HF's greedy generate; on CUDA it compiles the decode forward for a compileable cache only when asked."""
     return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
@@ -61,7 +67,7 @@ def generate_with_fused_cache(model, ids, mask, cache=None, auto_compile=False):
     cache = cache or FusedKVCache(model, ids.shape[0], ids.shape[1] + NEW)
     cache.plan(mask)
     recorder = LengthsRecorder(cache)
-    tokens = greedy(model, ids, mask, auto_compile, cache=cache, logits_processor=LogitsProcessorList([recorder]))
+    tokens = greedy(model, ids, mask, auto_compile, **{CACHE_ARG: cache}, logits_processor=LogitsProcessorList([recorder]))
     return tokens, cache, recorder.seen
 
 
@@ -98,7 +104,7 @@ def test_greedy_generate_matches_static_and_dynamic_caches(name):
     tokens, cache, seen = generate_with_fused_cache(model, ids, mask)
     assert torch.equal(tokens, greedy(model, ids, mask))  # HF's default DynamicCache
     static = StaticCache(config=model.config, max_cache_len=PROMPT + NEW)
-    assert torch.equal(tokens, greedy(model, ids, mask, cache=static))
+    assert torch.equal(tokens, greedy(model, ids, mask, **{CACHE_ARG: static}))
     assert tokens.shape == (len(PADS), PROMPT + NEW)
     assert_lengths_follow_the_mask(seen, mask)
     assert_buffers_hold_static_cache_states(cache, static)
@@ -114,7 +120,8 @@ def test_generate_far_past_the_sliding_window_with_room_to_spare(name):
     cache.plan(mask)
     assert cache.sliding_windows == tuple(6 if kind == "sliding_attention" else None
                                           for kind in getattr(model.config, "layer_types", ["sliding_attention"] * 2))
-    with pytest.warns(FutureWarning, match="past_key_values"):
+    deprecated = pytest.warns(FutureWarning, match="past_key_values") if CACHE_ARG == "cache" else nullcontext()
+    with deprecated:
         tokens = greedy(model, ids, mask, past_key_values=cache)
     assert torch.equal(tokens, greedy(model, ids, mask))
     assert cache.lengths()[1].tolist() == [7 + NEW - 1] * 2
@@ -247,9 +254,10 @@ def test_compiled_decode_forward_traces_the_cache_in_one_graph():
     cache = FusedKVCache(model, 2, 12)
     cache.plan(mask)
     with torch.no_grad():
-        next_ids = model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1:].argmax(-1)
+        logits = model(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARG: cache}).logits
+        next_ids = logits[:, -1:].argmax(-1)
         step = {"input_ids": next_ids, "attention_mask": torch.cat([mask, torch.ones_like(next_ids)], 1),
-                    "position_ids": positions[:, -1:] + 1, "cache": cache}
+                    "position_ids": positions[:, -1:] + 1, CACHE_ARG: cache}
         lengths, buffers = cache._row_lengths.clone(), [t.clone() for t in all_buffers(cache)]
         eager = model(**step).logits
         after = [t.clone() for t in all_buffers(cache)]
@@ -338,13 +346,13 @@ def test_decode_step_replays_in_a_cuda_graph_as_it_runs_eagerly():
         starts, ends = cache.lengths()  # the step attends over [starts, ends + 1), its token sits at ends
         valid = (slots >= starts[:, None]) & (slots <= ends[:, None])
         return model(next_ids, attention_mask=valid[:, None, None, :], position_ids=(ends - starts)[:, None].long(),
-                     cache=cache).logits[:, -1]
+                     **{CACHE_ARG: cache}).logits[:, -1]
 
     with torch.no_grad():
         first = []
         for cache in caches:
             cache.plan(mask)
-            first.append(model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1])
+            first.append(model(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARG: cache}).logits[:, -1])
         graph_cache, eager_cache = caches
         static_ids = first[0].argmax(-1, keepdim=True)
         saved = graph_cache._row_lengths.clone()
@@ -380,6 +388,6 @@ def test_beam_search_reorders_rows_in_place():
     cache.plan(mask.repeat_interleave(3, 0))
     storage = [t.data_ptr() for t in (*all_buffers(cache), *cache.lengths())]
     with mock.patch.object(cache, "reorder_cache", wraps=cache.reorder_cache) as reorder:
-        assert torch.equal(model.generate(ids, attention_mask=mask, cache=cache, **beams), expected)
+        assert torch.equal(model.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **beams), expected)
     assert reorder.call_count > 0
     assert [t.data_ptr() for t in (*all_buffers(cache), *cache.lengths())] == storage
