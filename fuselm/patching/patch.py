@@ -20,6 +20,7 @@ from torch import nn
 from fuselm.backend import path_name
 from fuselm.patching.classes import ORIGINAL
 from fuselm.patching.families import family_of
+from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks
 from fuselm.patching.modules import NEXT_NORM, FusedDecoderLayer
 from fuselm.patching.recognise import Recogniser, kind_of
 from fuselm.patching.report import KindReport, PatchReport
@@ -90,7 +91,17 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     _link_next_norms(model)
     parameter = next(model.parameters(), None)
     ops_path = path_name(parameter.device) if parameter is not None else path_name("cpu")
-    return PatchReport(type(model).__name__, ops_path, kinds)
+    return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model))
+
+
+def _decode_module_calls(model: nn.Module) -> dict[str, int]:
+    """Per projection name, how many fused layers' decode steps call it as a module (not a plain linear) now."""
+    calls: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, FusedDecoderLayer):
+            for name in decode_fallbacks(module):
+                calls[name] = calls.get(name, 0) + 1
+    return calls
 
 
 def unpatch(model: nn.Module) -> int:
@@ -102,6 +113,7 @@ def unpatch(model: nn.Module) -> int:
             module.__class__ = original
             restored += 1
         module.__dict__.pop(NEXT_NORM, None)
+        module.__dict__.pop(ATTENTION_FACTS, None)
     return restored
 
 

@@ -24,6 +24,8 @@ class PatchReport:
     model: str
     ops_path: str
     kinds: dict[str, KindReport]
+    # projection name -> fused decoder layers whose decode step calls it as a module (LoRA, quantised, hooked)
+    decode_module_calls: dict[str, int] = field(default_factory=dict)
 
     def __getitem__(self, kind: str) -> KindReport:
         return self.kinds[kind]
@@ -41,4 +43,9 @@ class PatchReport:
             lines += [f"  {'':<{width}}   {n} × {reason}" for reason, n in entry.left_alone.items()]
         if not any(entry.patched for entry in self.kinds.values()):
             lines.append("  nothing patched")
+        layers = self.kinds.get("decoder_layer")
+        if layers is not None and layers.patched:
+            lines.append(f"  {'decode step:':<{width}} fused kernels over fuselm's KV cache (FusedKVCache)")
+            lines += [f"  {'':<{width}}   {n} × {name} runs as its module (not a plain nn.Linear: LoRA, quantised or "
+                      "hooked)" for name, n in self.decode_module_calls.items()]
         return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""The fused decode step of a patched decoder layer over a FusedKVCache.
+
+Against HF's own layers writing the same kind of cache (unpatched model, HF attention through ``update``): the
+logits after prefill and after each decode step and the cache contents, for every family with fused layers, on
+both paths; tokens against HF's StaticCache; projections that are not plain linears (LoRA) run as modules,
+merged or disabled adapters are plain again; a layer's step replays in a CUDA graph (GPU).
+"""
+
+import inspect
+from unittest import mock
+
+import peft
+import pytest
+import torch
+from transformers import LlamaModel, StaticCache
+
+import fuselm
+from fuselm.generation import FusedKVCache
+from fuselm.patching import decode
+from tests.conftest import DEVICE, HAS_CUDA
+from tests.helpers import rel_err
+from tests.models import FUSED_LAYERS, tiny_model, token_ids
+
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+PADS = (4, 1, 0)  # left padding of the three rows
+NEW = 4  # prefill, then 3 decode steps
+MAX_LEN = 32
+
+
+def decode_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny model of ``name`` whose head_dim decode_attention supports (64; Phi-3 and Llama 2 derive it)."""
+    sizes = {"hidden_size": 256} if name in ("phi3", "llama2") else {"head_dim": 64}
+    model = tiny_model(name, dtype=dtype, **sizes)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def left_padded(prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = token_ids(len(PADS), prompt, seed=7)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(PADS):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def new_cache(model, mask: torch.Tensor, poisoned: bool = False) -> FusedKVCache:
+    """A planned cache for ``mask``'s rows; ``poisoned``: NaN in every slot, for paths that read only valid slots
+    (HF's attention reads the whole buffer, where NaN would reach the output through the masked products)."""
+    cache = FusedKVCache(model, len(PADS), MAX_LEN)
+    cache.plan(mask)
+    if poisoned:
+        for layer in range(len(cache)):
+            for buffer in cache.buffers(layer):
+                buffer.fill_(float("nan"))
+    return cache
+
+
+def generate(model, ids, mask, cache, new=NEW):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True, disable_compile=True, **{CACHE_ARG: cache})
+    return out.sequences, out.logits
+
+
+def assert_same_cache(fused: FusedKVCache, hf: FusedKVCache, poisoned: bool) -> None:
+    """Equal lengths; equal states at every valid slot; slots from ``ends`` on never written (still NaN where the
+    fused cache was ``poisoned``). Prefill writes the left padding's slots too, as HF's caches do, but what a padding
+    token holds after layer 0 is undefined (its query sees nothing), so those slots are not compared."""
+    for a, b in zip(fused.lengths(), hf.lengths()):
+        assert torch.equal(a, b)
+    starts, ends = hf.lengths()
+    slots = torch.arange(MAX_LEN, device=starts.device)
+    valid = (slots >= starts[:, None]) & (slots < ends[:, None])  # [B, L]
+    for layer in range(len(hf)):
+        for got, expected in zip(fused.buffers(layer), hf.buffers(layer)):
+            got, expected = got.transpose(1, 2), expected.transpose(1, 2)  # [B, L, Hkv, D]
+            assert rel_err(got[valid], expected[valid]) <= 1e-5
+            if poisoned:
+                assert torch.isnan(got[slots[None].expand_as(valid) >= ends[:, None]]).all()
+
+
+@pytest.mark.parametrize("prompt", [9, 20], ids=["fused-prefill", "hf-prefill"])
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_decode_steps_match_hf_layers(name, prompt, path):
+    """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused step too; one of 20 through HF's
+    attention. Either way each decode step's logits and the cache equal HF's, at one token and at 3."""
+    model = decode_model(name)
+    ids, mask = left_padded(prompt)
+    poisoned = prompt <= decode.DECODE_MAX_TOKENS  # every forward reads through decode_attention
+    for new in (1, NEW):
+        hf_cache = new_cache(model, mask)
+        with fuselm.use_backend("reference"):
+            hf_tokens, hf_logits = generate(model, ids, mask, hf_cache, new)
+        fuselm.patch(model)
+        try:
+            fused_cache = new_cache(model, mask, poisoned)
+            with mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention:
+                tokens, logits = generate(model, ids, mask, fused_cache, new)
+        finally:
+            fuselm.unpatch(model)
+        layers = model.config.num_hidden_layers
+        assert attention.call_count == layers * (new - (prompt > decode.DECODE_MAX_TOKENS))
+        assert torch.equal(tokens, hf_tokens)
+        for step, (got, expected) in enumerate(zip(logits, hf_logits)):
+            assert rel_err(got, expected) <= 1e-5, f"step {step}"
+        assert_same_cache(fused_cache, hf_cache, poisoned)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])
+def test_tokens_match_hf_static_cache(name):
+    model = decode_model(name)
+    ids, mask = left_padded(9)
+    expected, _ = generate(model, ids, mask, StaticCache(config=model.config, max_cache_len=MAX_LEN), new=12)
+    with fuselm.patched(model):
+        tokens, _ = generate(model, ids, mask, new_cache(model, mask, poisoned=True), new=12)
+    assert torch.equal(tokens, expected)
+
+
+def lora_model(targets: list[str]) -> peft.PeftModel:
+    model = decode_model("llama")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def test_lora_projections_run_as_modules(path):
+    """An active adapter on q_proj, v_proj and down_proj: those run as PEFT's modules inside the fused step (the
+    report names them), the rest fused, and the tokens equal the unpatched adapted model's."""
+    model = lora_model(["q_proj", "v_proj", "down_proj"])
+    ids, mask = left_padded(9)
+    with fuselm.use_backend("reference"):
+        expected, expected_logits = generate(model, ids, mask, new_cache(model, mask))
+    report = fuselm.patch(model)
+    try:
+        assert report.decode_module_calls == {"q_proj": 2, "v_proj": 2, "down_proj": 2}
+        assert "2 × q_proj runs as its module" in str(report)
+        layer = model.base_model.model.model.layers[0]
+        assert decode.decode_fallbacks(layer) == ["q_proj", "v_proj", "down_proj"]
+        with mock.patch.object(decode, "qkv_rope", wraps=decode.qkv_rope) as fused_qkv:
+            tokens, logits = generate(model, ids, mask, new_cache(model, mask, poisoned=True))
+        assert fused_qkv.call_count == 0  # q and v run as modules, so the q/k/v kernel cannot run
+    finally:
+        fuselm.unpatch(model)
+    assert torch.equal(tokens, expected)
+    for got, want in zip(logits, expected_logits):
+        assert rel_err(got, want) <= 1e-5
+
+
+def test_merged_or_disabled_adapters_are_plain_again():
+    model = lora_model(["q_proj", "o_proj", "gate_proj"])
+    layer = model.base_model.model.model.layers[0]
+    with fuselm.patched(model):
+        assert decode.decode_fallbacks(layer) == ["q_proj", "o_proj", "gate_proj"]
+        with model.disable_adapter():
+            assert decode.decode_fallbacks(layer) == []
+        model.merge_adapter()
+        assert decode.decode_fallbacks(layer) == []
+        ids, mask = left_padded(9)
+        tokens, _ = generate(model, ids, mask, new_cache(model, mask, poisoned=True))
+    expected, _ = generate(model, ids, mask, new_cache(model, mask))
+    assert torch.equal(tokens, expected)
+
+
+def test_hooked_projection_runs_as_its_module():
+    model = decode_model("qwen2")  # q/k/v biases
+    calls = []
+    model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
+    with fuselm.patched(model) as report:
+        assert report.decode_module_calls == {"up_proj": 1}
+        ids, mask = left_padded(9)
+        generate(model, ids, mask, new_cache(model, mask, poisoned=True))
+    assert len(calls) == NEW
+
+
+def test_training_mode_and_unsupported_head_dims_take_hf_layers():
+    model = tiny_model("llama", head_dim=24)  # decode_attention has no kernel for head_dim 24
+    ids, mask = left_padded(9)
+    with fuselm.patched(model), mock.patch.object(decode, "decode_step") as step:
+        generate(model, ids, mask, new_cache(model, mask))
+        model.train()
+        model.model.layers[0](torch.randn(3, 1, model.config.hidden_size),
+                              position_embeddings=model.model.rotary_emb(torch.zeros(1), torch.zeros(1, 1).long()),
+                              position_ids=torch.zeros(1, 1, dtype=torch.long),
+                              **{CACHE_ARG: new_cache(model, mask)})
+    assert step.call_count == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+def test_layer_step_replays_in_a_cuda_graph(name):
+    """One fused decode step of a layer captured once and replayed at other lengths and positions equals eager
+    (bf16), and the replays write the same cache."""
+    model = decode_model(name, torch.bfloat16)
+    fuselm.patch(model)
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    batch, hidden = 4, model.config.hidden_size
+    cache = FusedKVCache(model, batch, 256)
+    for buffer in cache.buffers(0):
+        buffer.normal_()
+    x = torch.randn(batch, 1, hidden, device=DEVICE, dtype=torch.bfloat16)
+    positions = torch.zeros(batch, 1, dtype=torch.long, device=DEVICE)
+    ends = cache.lengths()[1]
+
+    def step():
+        cos, sin = rotary(x, positions)
+        return layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions,
+                     **{CACHE_ARG: cache})
+
+    def set_lengths(end: list[int], pad: list[int]):
+        ends.copy_(torch.tensor(end, device=DEVICE) - 1)  # the step advances to end
+        positions.copy_(torch.tensor([e - 1 - p for e, p in zip(end, pad)], device=DEVICE)[:, None])
+
+    with torch.no_grad():
+        set_lengths([8] * batch, [0] * batch)
+        step()  # warm-up: every autotune finishes before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        set_lengths([8] * batch, [0] * batch)
+        with torch.cuda.graph(graph):
+            out = step()
+        for end, pad in (([17, 40, 100, 256], [0, 3, 50, 0]), ([5, 129, 64, 200], [1, 0, 0, 7])):
+            x.normal_()
+            saved = [t.clone() for t in cache.buffers(0)]
+            set_lengths(end, pad)
+            graph.replay()
+            replayed, replayed_cache = out.clone(), [t.clone() for t in cache.buffers(0)]
+            for buffer, kept in zip(cache.buffers(0), saved):
+                buffer.copy_(kept)
+            set_lengths(end, pad)
+            eager = step()
+            assert rel_err(replayed, eager) <= 1e-6
+            for got, expected in zip(replayed_cache, cache.buffers(0)):
+                assert torch.equal(got, expected)
+    fuselm.unpatch(model)
