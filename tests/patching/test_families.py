@@ -44,7 +44,8 @@ def test_every_module_of_a_listed_family_is_patched(name):
                       "loss": (1, 1)}
     assert all(entry.left_alone == {} for entry in report.kinds.values())
     assert str(report).splitlines()[1:] == [f"  rms_norm:      {norms}/{norms}", "  rope:          2/2",
-                                            "  mlp:           2/2", "  decoder_layer: 2/2", "  loss:          1/1"]
+                                            "  mlp:           2/2", "  decoder_layer: 2/2", "  loss:          1/1",
+                                                "  decode step:   fused kernels over fuselm's KV cache (FusedKVCache)"]
 
 
 @pytest.mark.parametrize("name", FUSED_LAYERS)
@@ -113,9 +114,10 @@ def test_norms_and_mlps_round_like_hf_in_bf16(path, name):
         got = [m(x) for m, x in zip(modules, inputs)]
     for module, out, ref in zip(modules, got, expected):
         assert out.dtype == ref.dtype, type(module).__name__
-        if path == "reference":
+        if path == "reference" and type(module).__name__.endswith("RMSNorm"):
             assert torch.equal(out, ref), type(module).__name__
-        else:  # fp32 math inside the kernels: within a rounding of HF's bf16 result
+        else:  # fp32 activation math, rounded once (both paths), and fp32 math inside the kernels: within a
+            #    rounding of HF's bf16 result, which rounds act(gate) before the product
             assert rel_err(out, ref) <= 8e-3, f"{type(module).__name__}: {rel_err(out, ref):.2e}"
 
 
