@@ -7,10 +7,10 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
+from fuselm.ops._triton import triton
 
 
 def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = None) -> torch.Tensor:

@@ -14,12 +14,11 @@ Both kernels are pure streaming: math in fp32, output in the input dtype. ``gelu
 from __future__ import annotations
 
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, new_output
+from fuselm.ops._triton import tl, triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)

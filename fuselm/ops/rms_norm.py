@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import FusedOp, as_rows, autotune, check_same_device, check_tensor, new_output, sm_count
+from fuselm.ops._triton import tl, triton
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
