@@ -136,8 +136,8 @@ def run(device: str | torch.device | None = None, layers: int = 4, batch: int = 
         table.add_row(what, f"{unpatched * 1e3:.2f}", f"{patched_s * 1e3:.2f}", *speed_up)
     console.print(table)
     if not fused:
-        console.print(f"(timings only: the ops ran on {path_name(dev)}, not as fused kernels on a CUDA GPU, so no "
-                      "speed-up is shown; the demo checks that the patched model computes the same)")
+        console.print(f"(timings only: the ops ran on {path_name(dev)}, not as fused Triton kernels on a CUDA GPU; "
+                      "what the demo shows here is that the patched model computes the same)")
     console.print(f"logits relative error {error:.2e} (allowed {LOGIT_TOLERANCE[dtype]:.0e}): "
                   + ("[green]match[/]" if logits_ok else "[red]MISMATCH[/]"))
     console.print("greedy tokens: " + ("[green]identical[/]" if same_tokens else "[yellow]differ[/]"))
