@@ -37,6 +37,8 @@ CASES = {  # op: (fuselm's result on fp32 inputs, the reference's on float64 cop
     "linear_cross_entropy": (fuselm.linear_cross_entropy(x, head, labels),
                              [linear_cross_entropy_reference(*d(x, head), labels)]),
 }
+BACKEND_API = ("get_backend", "set_backend", "use_backend", *fuselm._PATCHING)
+assert set(CASES) == set(fuselm.__all__) - set(BACKEND_API), "a public op without a case here"
 for name, (out, ref) in CASES.items():
     out = [out] if isinstance(out, torch.Tensor) else list(out)
     assert len(out) == len(ref), name
