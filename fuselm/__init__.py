@@ -4,6 +4,8 @@ Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`). M
 (``fuselm.patch``) needs transformers (``pip install fuselm[hf]``) and is imported on first use.
 """
 
+from importlib import metadata as _metadata
+
 from fuselm.backend import get_backend, set_backend, use_backend
 from fuselm.ops.attention import decode_attention
 from fuselm.ops.cross_entropy import cross_entropy, linear_cross_entropy
@@ -12,7 +14,10 @@ from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml; this reads it from the installed package's metadata
+    __version__ = _metadata.version("fuselm")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _PATCHING = ("patch", "unpatch", "patched", "PatchReport")
 

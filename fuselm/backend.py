@@ -28,6 +28,8 @@ from collections.abc import Iterator
 
 import torch
 
+from fuselm.ops._triton import TRITON_AVAILABLE
+
 BACKENDS = ("auto", "triton", "reference")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -84,7 +86,10 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
     if backend == "reference":
         return False
     if backend == "auto":
-        return x.is_cuda and x.dtype in TRITON_DTYPES
+        return TRITON_AVAILABLE and x.is_cuda and x.dtype in TRITON_DTYPES
+    if not TRITON_AVAILABLE:
+        raise ModuleNotFoundError("FUSELM_BACKEND=triton needs triton, which is not installed (its wheels are for "
+                                  "Linux only); use 'auto' or 'reference' for the PyTorch reference", name="triton")
     if x.dtype not in TRITON_DTYPES:
         raise TypeError(
             f"FUSELM_BACKEND=triton supports dtypes {TRITON_DTYPES}, got {x.dtype}; "
@@ -102,7 +107,7 @@ def path_name(device: torch.device | str) -> str:
     """Human-readable name of the path ops take for tensors on ``device`` (used by the demo)."""
     device = torch.device(device)
     backend = get_backend()
-    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+    if backend == "reference" or (backend == "auto" and (device.type != "cuda" or not TRITON_AVAILABLE)):
         return f"PyTorch reference ({device.type})"
     if device.type == "cuda":
         return f"Triton ({torch.cuda.get_device_name(device)})"

@@ -7,12 +7,15 @@ and greedy tokens of the patched model match the unpatched model, and exits non-
 
 from __future__ import annotations
 
+import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 import fuselm
@@ -20,6 +23,7 @@ from fuselm.backend import path_name
 
 # relative logit error allowed between patched and unpatched (rounding of the fused arithmetic)
 LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+CPU_MAX_SEQ = 64  # tokens per sequence off CUDA, where every op runs its (slow) PyTorch reference
 
 
 def build_model(device: torch.device, dtype: torch.dtype, layers: int):
@@ -41,65 +45,99 @@ def build_model(device: torch.device, dtype: torch.dtype, layers: int):
     return model
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run is warm-up (compilation, autotuning)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
-def run(device: str | None = None, layers: int = 4, batch: int = 2, seq: int = 256, new_tokens: int = 16,
-        repeats: int = 5) -> bool:
-    """Run the demo; returns True when the patched model matches the unpatched one."""
+def alternating_medians(fns: dict[str, Callable[[], object]], device: torch.device, runs: int,
+                        after_round: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each fn over ``runs`` rounds; every round runs each fn once, in turns (the order
+    flips each round), so drift of the machine (clocks, other load) falls on every fn alike. One warm-up
+    round first (compilation, autotuning) is not counted."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(runs + 1):
+        names = list(fns) if round_index % 2 == 0 else list(reversed(fns))
+        for name in names:
+            seconds = _seconds(fns[name], device)
+            if round_index:
+                times[name].append(seconds)
+        after_round()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run(device: str | torch.device | None = None, layers: int = 4, batch: int = 2, seq: int | None = None,
+        new_tokens: int = 16, runs: int = 5) -> bool:
+    """Run the demo; returns True when the patched model matches the unpatched one.
+
+    ``seq`` defaults to 256 tokens on CUDA and is at most 64 elsewhere (the PyTorch references are slow).
+    """
     console = Console()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dev.type != "cuda":
-        seq, repeats = min(seq, 64), min(repeats, 3)
-    model = build_model(dev, dtype, layers)
+        if seq is not None and seq > CPU_MAX_SEQ:
+            console.print(f"--seq {seq} is capped to {CPU_MAX_SEQ} tokens on {dev.type}")
+        seq = min(seq or CPU_MAX_SEQ, CPU_MAX_SEQ)
+    seq = seq or 256
+    with console.status("building the model (random weights) …"):
+        model = build_model(dev, dtype, layers)
+        patched = copy.deepcopy(model)
+        report = fuselm.patch(patched)
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    columns = {"unpatched": f"HF ({attention} attention)", "patched": f"fuselm ({attention} attention)"}
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq), device=dev)
     prompt = tokens[:, : max(1, seq // 4)]
     console.print(f"[bold]fuselm demo[/] — Llama-shaped model, {layers} layers, hidden {model.config.hidden_size}, "
                   f"random weights, {dtype}, batch {batch} × {seq} tokens")
     console.print(f"ops run: [bold]{path_name(dev)}[/] (FUSELM_BACKEND={fuselm.get_backend()})")
+    console.print(str(report), highlight=False)
 
-    def forward():
+    def forward(m):
         with torch.no_grad():
-            return model(tokens).logits
+            return m(tokens).logits
 
-    def generate():
+    def generate(m):
         with torch.no_grad():
-            return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            return m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
-    results = {}
-    for label in ("HF eager", "fuselm"):
-        if label == "fuselm":
-            console.print(str(fuselm.patch(model)), highlight=False)
-        results[label] = {"logits": forward().float(), "tokens": generate(),
-                          "forward_s": median_seconds(forward, dev, repeats),
-                          "generate_s": median_seconds(generate, dev, max(1, repeats // 2))}
-    fuselm.unpatch(model)
+    models = {"unpatched": model, "patched": patched}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("a forward pass and a generation on each model", total=len(models))
+        results = {}
+        for name, m in models.items():
+            results[name] = {"logits": forward(m).float(), "tokens": generate(m)}
+            progress.advance(task)
+        timings = {}
+        for key, what, fn in (("forward_s", "forward passes", forward), ("generate_s", "generations", generate)):
+            task = progress.add_task(f"timing {what}, the two models in turns", total=runs + 1)
+            calls = {name: functools.partial(fn, m) for name, m in models.items()}
+            timings[key] = alternating_medians(calls, dev, runs, functools.partial(progress.advance, task))
 
-    ref, ours = results["HF eager"], results["fuselm"]
+    ref, ours = results["unpatched"], results["patched"]
     error = ((ours["logits"] - ref["logits"]).norm() / ref["logits"].norm()).item()
     same_tokens = torch.equal(ours["tokens"], ref["tokens"])
     logits_ok = error <= LOGIT_TOLERANCE[dtype]
-    table = Table(title="patched vs unpatched")
-    for column in ("", "HF eager", "fuselm", "speed-up"):
+    fused = dev.type == "cuda" and fuselm.backend.runs_triton(tokens.new_empty(0, dtype=dtype))
+    table = Table(title=f"patched vs unpatched (median of {runs} runs each, in turns)")
+    for column in ("", *columns.values(), *(("speed-up",) if fused else ())):
         table.add_column(column, justify="right")
-    for key, what in (("forward_s", f"forward {batch}×{seq} (ms)"), ("generate_s", f"generate {new_tokens} tokens (ms)")):
-        table.add_row(what, f"{ref[key] * 1e3:.2f}", f"{ours[key] * 1e3:.2f}", f"{ref[key] / ours[key]:.2f}×")
+    for key, what in (("forward_s", f"forward {batch}×{seq} (ms)"),
+                      ("generate_s", f"generate {new_tokens} tokens (ms)")):
+        unpatched, patched_s = timings[key]["unpatched"], timings[key]["patched"]
+        speed_up = (f"{unpatched / patched_s:.2f}×",) if fused else ()
+        table.add_row(what, f"{unpatched * 1e3:.2f}", f"{patched_s * 1e3:.2f}", *speed_up)
     console.print(table)
-    if not fuselm.backend.runs_triton(tokens.new_empty(0, dtype=dtype)):
-        console.print("(the fused kernels need a CUDA GPU: here fuselm ran its PyTorch references, so the timings "
-                      "show no speed-up, only that the patched model computes the same)")
+    if not fused:
+        console.print(f"(timings only: the ops ran on {path_name(dev)}, not as fused Triton kernels on a CUDA GPU; "
+                      "what the demo shows here is that the patched model computes the same)")
     console.print(f"logits relative error {error:.2e} (allowed {LOGIT_TOLERANCE[dtype]:.0e}): "
                   + ("[green]match[/]" if logits_ok else "[red]MISMATCH[/]"))
     console.print("greedy tokens: " + ("[green]identical[/]" if same_tokens else "[yellow]differ[/]"))

@@ -7,10 +7,10 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
+from fuselm.ops._triton import triton
 
 
 def _fix_interpreter_loop_bounds() -> None:

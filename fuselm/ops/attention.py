@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import FusedOp, autotune, check_same, check_same_device, check_tensor, new_output, sm_count
+from fuselm.ops._triton import tl, triton
 from fuselm.ops.cross_entropy import _softcap
 
 HEAD_DIMS = (64, 80, 96, 128, 256)

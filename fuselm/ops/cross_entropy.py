@@ -30,12 +30,11 @@ import numbers
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import FusedOp, as_rows, check_real, check_same, check_tensor, new_output, sm_count
+from fuselm.ops._triton import tl, triton
 
 REDUCTIONS = ("mean", "sum", "none")
 # Launch shape of the row kernels, from a sweep on the H200 (benchmarks/NOTES.md): 2048-column

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import (FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor,
                                 new_output)
+from fuselm.ops._triton import tl, triton
 from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
 from fuselm.ops.glu import ACTIVATIONS, _activation, gelu_tanh_mul, silu_mul
 from fuselm.ops.rms_norm import CASTINGS, rms_norm, rms_norm_reference

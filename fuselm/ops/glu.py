@@ -19,14 +19,15 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, new_output
+from fuselm.ops._triton import tl, triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+# In kernels a tensor comes first in products with these: triton 3.9's interpreter wraps `constexpr * tensor`
+# into a constexpr, which later ops cannot take.
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -63,7 +64,7 @@ def _activation(g, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
         s = tl.sigmoid(g)
     else:
-        s = tl.sigmoid(2.0 * _SQRT_2_OVER_PI * g * (1.0 + _GELU_CUBIC * g * g))
+        s = tl.sigmoid(g * (2.0 * _SQRT_2_OVER_PI) * (1.0 + g * g * _GELU_CUBIC))
     return g * s, s
 
 
@@ -72,7 +73,7 @@ def _activation_grad(g, s, ACTIVATION: tl.constexpr):
     """d act / d g in fp32, given s from :func:`_activation`."""
     if ACTIVATION == "silu":
         return s * (1.0 + g * (1.0 - s))
-    return s + g * s * (1.0 - s) * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_CUBIC * g * g)
+    return s + g * s * (1.0 - s) * (2.0 * _SQRT_2_OVER_PI) * (1.0 + g * g * (3.0 * _GELU_CUBIC))
 
 
 @triton.jit

@@ -15,13 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import (FusedOp, as_rows, autotune, check_real, check_same_device, check_tensor, new_output,
                                 sm_count)
+from fuselm.ops._triton import tl, triton
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_SINGLE_PASS_COLS = 16384  # rows up to this many columns stay in registers; wider rows loop
@@ -256,7 +255,9 @@ def _rms_norm_bwd_kernel(
                                          mask, stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
                 col_ok = start + block < n_cols
                 chunk = partial_row + start + block
-                earlier = tl.load(chunk, mask=col_ok & (first_row > program * ROWS), other=0.0)  # 0 on the first block
+                # 0 on the first block; tl.where, as `&` with this scalar test makes an int32 mask in triton's
+                # interpreter, which triton 3.9's refuses
+                earlier = tl.load(chunk, mask=tl.where(first_row > program * ROWS, col_ok, False), other=0.0)
                 tl.store(chunk, earlier + contribution, mask=col_ok)
 
 

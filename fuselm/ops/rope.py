@@ -14,13 +14,12 @@ equal. Gradients flow to q and k only; when cos or sin needs a gradient the PyTo
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from fuselm.backend import runs_triton
 from fuselm.ops._common import (FusedOp, autotune, check_same, check_same_device, check_tensor, new_output,
                                 new_output_like)
+from fuselm.ops._triton import tl, triton
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_TILE = 8192  # elements of one [positions, heads, h] tile that a program keeps in registers
