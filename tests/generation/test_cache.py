@@ -75,7 +75,7 @@ def assert_lengths_follow_the_mask(seen, mask):
     pads = (mask == 0).sum(-1).to(torch.int32)
     assert len(seen) == NEW  # the prefill, then one decode step per new token after the first
     for seq_len, starts, ends in seen:
-        assert starts.device == ends.device == torch.device(DEVICE)
+        assert starts.device.type == ends.device.type == DEVICE
         assert torch.equal(starts.cpu(), pads), (seq_len, starts)
         assert torch.equal(ends.cpu(), torch.full_like(pads, seq_len)), (seq_len, ends)
 

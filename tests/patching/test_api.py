@@ -57,6 +57,7 @@ def test_report_says_per_kind_what_was_left_alone_and_why():
         "                   2 × hidden_act 'relu' has no fused kernel",
         "  decoder_layer: 2/2",
         "  loss:          1/1",
+        "  decode step:   fused kernels over fuselm's KV cache (FusedKVCache)",
     ])
     assert rel_err(logits(model), expected) <= 1e-6
 
