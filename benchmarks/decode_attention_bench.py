@@ -128,9 +128,10 @@ def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[
 
 
 def settings() -> dict:
-    """What the rows ran with: the split factor and the configs the autotuner chose."""
+    """What the rows ran with: the split factor and the configs the autotuner chose (none under the interpreter)."""
+    tuned = getattr(attention._decode_attention, "cache", {})
     return {"programs_per_sm": attention.PROGRAMS_PER_SM,
-            "tuned_configs": {str(key): str(config) for key, config in attention._decode_attention.cache.items()}}
+            "tuned_configs": {str(key): str(config) for key, config in tuned.items()}}
 
 
 def print_table(rows: list[dict], copy_gbps: float) -> None:

@@ -162,10 +162,13 @@ def count_kernels(step: Callable[[], object], reset: Callable[[], None]) -> dict
         return {}
     reset()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
-        step()
-        torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
+            step()
+            torch.cuda.synchronize()
+    except RuntimeError as error:  # a profiler that cannot start (CUPTI) costs the count, not the row
+        return {"kernels_error": f"{type(error).__name__}: {error}"}
     device_events = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [name for name in device_events if not name.startswith(("Memcpy", "Memset"))]
     return {"kernels": len(kernels), "copies": len(device_events) - len(kernels),
@@ -271,7 +274,8 @@ def print_layer_table(rows: list[dict], copy: float) -> None:
         line = f"{f'{batch} x {context}':<14}"
         for impl in impls:
             row = next(r for r in steps if (r["impl"], r["batch"], r["context"]) == (impl, batch, context))
-            cell = "error" if "error" in row else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')})"
+            cell = ("error" if "error" in row
+                    else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')})")
             line += f"{cell:>26}"
         print(line)
 
