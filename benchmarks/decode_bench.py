@@ -61,6 +61,8 @@ import fuselm
 from fuselm.generation import FusedKVCache
 
 WHATS = ("layer_step", "attention", "projection")
+LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "rms_norm_eps")
 IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
 BF16 = torch.bfloat16
 LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
@@ -328,6 +330,8 @@ def main() -> None:
         "python": platform.python_version(), "fuselm_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": round(copy, 1), "seconds": seconds, "patch_report": report, "settings": settings,
+        "layer_config": {key: getattr(llama_config(args.smoke), key) for key in LAYER_CONFIG_KEYS}
+        | {"dtype": "bfloat16", "max_len": f"{MAX_LEN_FACTOR} * context", "attn_implementation": "sdpa"},
         "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA,
                      "attention": decode_attention_bench.FORMULA, "projection": decode_linear_bench.FORMULA},
         "rows": rows,
