@@ -1,6 +1,6 @@
-"""Decode attention on one CUDA GPU: fuselm.decode_attention against SDPA's flash and cuDNN backends.
+"""Decode attention rows for ``decode_bench.py``: fuselm.decode_attention against SDPA's flash and cuDNN backends.
 
-    python benchmarks/decode_attention_bench.py --out benchmarks/results/decode-attention-h200.json
+    python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4]
 
 Llama-3-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16), one query per row (T = 1), at B = 1 x L = 32768 and
 B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2). fuselm reads the whole
@@ -8,69 +8,59 @@ B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2)
 contiguous tensors (copied outside the timing, SDPA's best case), its GQA either by ``enable_gqa=True`` or
 by K/V expanded to Hq heads beforehand (``repeat``, expansion not timed).
 
-Every figure is the median of ``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed before each
-run) over replays of a CUDA graph of the call (captured after a warm-up that finishes autotuning), i.e.
-GPU time without host overhead. Bandwidth counts the valid KV bytes every implementation must read,
-2 (K and V) * B * Hkv * valid * D * 2 bytes, against a copy's bandwidth measured in the same run
-(read + write of 1 GiB). q and the output (B * Hq * D * 2 bytes each) are left out: under 0.01 %.
+Every figure is :func:`timing.median_ms` (CUDA events, warm-up, L2 flushed before each run) over replays of a
+CUDA graph of the call (:func:`timing.captured`, after a warm-up that finishes autotuning), i.e. GPU time without
+host overhead. Bandwidth counts the valid KV bytes every implementation must read, 2 (K and V) * B * Hkv * valid *
+D * 2 bytes, against a copy's bandwidth measured in the same run. q and the output (B * Hq * D * 2 bytes each) are
+left out: under 0.01 %.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
+from timing import GB, captured, median_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuselm
 from fuselm.ops import attention
 
-GB = 1e9
 BF16 = torch.bfloat16
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SHAPES = [(1, 32768), (32, 4096)]  # (batch, context L)
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+FORMULA = ("bytes = valid KV = 2 * B * Hkv * valid * D * 2; gbps = bytes / us; pct_of_copy = gbps / copy_gbps; "
+           "SDPA over the valid prefix (contiguous copy, not timed)")
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+@dataclass(frozen=True)
+class Heads:
+    heads: int
+    kv_heads: int
+    head_dim: int
 
 
-def graph_replay_ms(fn: Callable[[], object]) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph (warm-up, compilation and autotuning outside it)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay)
+LLAMA3_8B = Heads(heads=32, kv_heads=8, head_dim=128)
+SHAPES = [(1, 32768), (32, 4096)]  # (batch, context L)
+SMOKE = Heads(heads=4, kv_heads=2, head_dim=64)
+SMOKE_SHAPES = [(2, 64)]
 
 
-def measure_copy_gbps() -> float:
-    src = torch.randn(2**29, device="cuda", dtype=BF16)  # 1 GiB
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def implementations(batch: int, context: int, valid: int) -> dict[str, Callable[[], object]]:
+def implementations(heads: Heads, batch: int, context: int, valid: int) -> dict[str, Callable[[], object]]:
     """Each implementation's call, on shared inputs: fuselm over the buffer, SDPA over the valid prefix."""
-    q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=BF16)
-    k_cache = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=BF16)
+    device = _device()
+    q = torch.randn(batch, heads.heads, 1, heads.head_dim, device=device, dtype=BF16)
+    k_cache = torch.randn(batch, heads.kv_heads, context, heads.head_dim, device=device, dtype=BF16)
     v_cache = torch.randn_like(k_cache)
-    starts = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    ends = torch.full((batch,), valid, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(batch, dtype=torch.int32, device=device)
+    ends = torch.full((batch,), valid, dtype=torch.int32, device=device)
     k, v = k_cache[:, :, :valid].contiguous(), v_cache[:, :, :valid].contiguous()
-    group = HEADS // KV_HEADS
+    group = heads.heads // heads.kv_heads
     k_repeated, v_repeated = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     calls = {"fuselm": lambda: fuselm.decode_attention(q, k_cache, v_cache, starts, ends)}
     for name, backend in SDPA_BACKENDS.items():
@@ -86,12 +76,12 @@ def implementations(batch: int, context: int, valid: int) -> dict[str, Callable[
     return calls
 
 
-def time_shape(batch: int, context: int, valid: int, copy_gbps: float, only: str | None = None,
+def time_shape(heads: Heads, batch: int, context: int, valid: int, copy_gbps: float, only: str | None = None,
                label: str = "") -> list[dict]:
     """One row per implementation (or only ``only``), each with its error relative to fuselm's output."""
-    kv_bytes = 2 * batch * KV_HEADS * valid * HEAD_DIM * BF16.itemsize
+    kv_bytes = 2 * batch * heads.kv_heads * valid * heads.head_dim * BF16.itemsize
     rows = []
-    calls = implementations(batch, context, valid)
+    calls = implementations(heads, batch, context, valid)
     reference = calls["fuselm"]()
     for impl, call in calls.items():
         if only and impl != only:
@@ -99,42 +89,59 @@ def time_shape(batch: int, context: int, valid: int, copy_gbps: float, only: str
         impl += label
         try:
             error = ((call().float() - reference.float()).norm() / reference.float().norm()).item()
-            us = graph_replay_ms(call) * 1e3
+            us = median_ms(captured(call)) * 1e3
         except RuntimeError as exc:  # a backend that does not take these inputs
             print(f"  {impl:<20} B={batch:<3} L={context:<6} valid={valid:<6} unavailable: {str(exc).splitlines()[0]}")
             continue
         gbps = kv_bytes / (us * 1e-6) / GB
+        formula = (f"2*{batch}*{heads.kv_heads}*{valid}*{heads.head_dim}*2 B = {kv_bytes / 1e6:.1f} MB / {us:.2f} us "
+                   f"= {gbps:.1f} GB/s = {100 * gbps / copy_gbps:.1f} % of {copy_gbps:.0f} GB/s copy")
         rows.append({"what": "attention", "impl": impl, "batch": batch, "context": context, "valid": valid,
                      "us": round(us, 2), "bytes": kv_bytes, "gbps": round(gbps, 1),
-                     "pct_of_copy": round(100 * gbps / copy_gbps, 1), "rel_err_vs_fuselm": float(f"{error:.2e}")})
-        print(f"  {impl:<20} B={batch:<3} L={context:<6} valid={valid:<6} {us:9.2f} us   "
-              f"2*{batch}*{KV_HEADS}*{valid}*{HEAD_DIM}*2 B = {kv_bytes / 1e6:.1f} MB / {us:.2f} us = {gbps:7.1f} GB/s"
-              f" = {100 * gbps / copy_gbps:5.1f} % of copy   (|out - fuselm| / |fuselm| = {error:.1e})")
+                     "pct_of_copy": round(100 * gbps / copy_gbps, 1), "rel_err_vs_fuselm": float(f"{error:.2e}"),
+                     "formula": formula})
+        print(f"  {impl:<20} B={batch:<3} L={context:<6} valid={valid:<6} {us:9.2f} us   {formula}"
+              f"   (|out - fuselm| / |fuselm| = {error:.1e})", flush=True)
     return rows
 
 
-def split_sweep(copy_gbps: float, factors: list[int]) -> list[dict]:
-    """fuselm alone with attention.PROGRAMS_PER_SM set to each factor (the split count's one tunable)."""
-    rows, chosen = [], attention.PROGRAMS_PER_SM
+def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[int, ...] = ()) -> list[dict]:
+    """The attention rows: every implementation at each shape, full and half-full caches; then fuselm alone with
+    attention.PROGRAMS_PER_SM set to each of ``sweep_programs_per_sm`` (impl ``fuselm_ppsN``)."""
+    heads, shapes = (SMOKE, SMOKE_SHAPES) if smoke else (LLAMA3_8B, SHAPES)
+    out = []
+    for batch, context in shapes:
+        for valid in (context, context // 2):
+            out += time_shape(heads, batch, context, valid, copy_gbps)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    chosen = attention.PROGRAMS_PER_SM
     try:
-        for factor in factors:
+        for factor in sweep_programs_per_sm:
             attention.PROGRAMS_PER_SM = factor
-            for batch, context in SHAPES:
+            for batch, context in shapes:
                 for valid in (context, context // 2):
-                    rows += time_shape(batch, context, valid, copy_gbps, only="fuselm", label=f"_pps{factor}")
+                    out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_pps{factor}")
     finally:
         attention.PROGRAMS_PER_SM = chosen
-    return rows
+    return out
+
+
+def settings() -> dict:
+    """What the rows ran with: the split factor and the configs the autotuner chose (none under the interpreter)."""
+    tuned = getattr(attention._decode_attention, "cache", {})
+    return {"programs_per_sm": attention.PROGRAMS_PER_SM,
+            "tuned_configs": {str(key): str(config) for key, config in tuned.items()}}
 
 
 def print_table(rows: list[dict], copy_gbps: float) -> None:
+    if not rows:
+        return
     impls = list(dict.fromkeys(row["impl"] for row in rows))
     cells = {(row["impl"], row["batch"], row["context"], row["valid"]): row for row in rows}
     shapes = list(dict.fromkeys((row["batch"], row["context"], row["valid"]) for row in rows))
-    print(f"\ndecode attention, bf16, Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}, T=1: us (GB/s of valid KV, % of "
-          f"copy {copy_gbps:.0f} GB/s)")
-    header = f"{'B x L, valid':<22}" + "".join(f"{impl:>26}" for impl in impls)
-    print(header)
+    print(f"\ndecode attention, bf16, T=1: us (GB/s of valid KV, % of copy {copy_gbps:.0f} GB/s)")
+    print(f"{'B x L, valid':<22}" + "".join(f"{impl:>26}" for impl in impls))
     for batch, context, valid in shapes:
         line = f"{f'{batch} x {context}, {valid}':<22}"
         for impl in impls:
@@ -142,37 +149,3 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
             cell = f"{row['us']:.1f} ({row['gbps']:.0f}, {row['pct_of_copy']:.0f}%)" if row else "-"
             line += f"{cell:>26}"
         print(line)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/decode-attention-h200.json")
-    parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
-                        help="also time fuselm with attention.PROGRAMS_PER_SM set to each of these (impl fuselm_ppsN)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    copy_gbps = measure_copy_gbps()
-    print(f"copy: 2 * 1 GiB / time = {copy_gbps:.1f} GB/s")
-    rows = []
-    for batch, context in SHAPES:
-        for valid in (context, context // 2):
-            rows += time_shape(batch, context, valid, copy_gbps)
-            torch.cuda.empty_cache()
-    rows += split_sweep(copy_gbps, args.sweep_programs_per_sm)
-    results = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy_gbps, 1), "programs_per_sm": attention.PROGRAMS_PER_SM,
-        "method": "us: median of triton.testing.do_bench (CUDA events, warm-up, L2 flushed) over CUDA-graph replays; "
-                  "bytes: valid KV, 2 * B * Hkv * valid * D * 2; gbps = bytes / us; pct_of_copy = gbps / copy_gbps",
-        "tuned_configs": {str(key): str(config) for key, config in attention._decode_attention.cache.items()},
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print_table(rows, copy_gbps)
-
-
-if __name__ == "__main__":
-    main()

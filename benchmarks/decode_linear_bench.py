@@ -1,4 +1,5 @@
-"""Decode projections on one GPU: fuselm's fused weight-streaming ops against cuBLAS plus separate kernels.
+"""Decode projection rows for ``decode_bench.py``: fuselm's fused weight-streaming ops against cuBLAS plus
+separate kernels.
 
 Llama-3-8B shapes in bf16 (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 14336, a 1024-position KV
 cache), M = B * T = 1, 8, 32, 64 rows (decode: B = M, T = 1):
@@ -7,42 +8,33 @@ cache), M = B * T = 1, 8, 32, 64 rows (decode: B = M, T = 1):
 - norm_gated_linear 4096 -> 2 x 14336 (SwiGLU);
 - linear_residual 4096 -> 4096 (o) and 14336 -> 4096 (down).
 
-Each implementation's call is captured in a CUDA graph over several independent sets of weights and inputs
-(enough that one set's weights have left L2 when its turn comes again: 3 x L2 of weights per graph), replayed,
-and timed as the median replay time (triton.testing.do_bench) divided by the sets. Bytes counted: the weights
-plus every activation read or written once (x, norm weight, residual, cos/sin, outputs, the cache rows written);
-GB/s = bytes / time, against the copy bandwidth measured in the same run (a 2 GiB device copy, bytes read +
-written). The fused norm ops run both ways around fuselm.ops.decode_linear.PROLOGUE_NORM_MAX_ROWS: norm in the
-kernel's prologue (every program recomputes each row's rstd) and fuselm.rms_norm first.
+Each implementation's call is captured in a CUDA graph (:func:`timing.captured`) over several independent sets
+of weights and inputs (enough that one set's weights have left L2 when its turn comes again: 3 x L2 of weights
+per graph), replayed, and timed as the median replay time (:func:`timing.median_ms`) divided by the sets. Bytes
+counted: the weights plus every activation read or written once (x, norm weight, residual, cos/sin, outputs, the
+cache rows written); GB/s = bytes / time, against the copy bandwidth measured in the same run. The fused norm ops
+run both ways around fuselm.ops.decode_linear.PROLOGUE_NORM_MAX_ROWS: norm in the kernel's prologue (every program
+recomputes each row's rstd) and fuselm.rms_norm first.
 
-    python benchmarks/decode_linear_bench.py --out benchmarks/results/decode-linear-h200.json
-    python benchmarks/decode_linear_bench.py --smoke   # tiny shapes, no GPU needed (interpreter, wall clock)
+    python benchmarks/decode_bench.py --only projection [--rows 1 8 32 64 2048]
+    python benchmarks/decode_bench.py --only projection --smoke   # tiny shapes, no GPU (interpreter, wall clock)
 """
+
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
-import os
-import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-if "--smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+import torch.nn.functional as F
+import triton
+from timing import GB, captured, median_ms
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import fuselm
+from fuselm.ops import decode_linear
 
-import fuselm  # noqa: E402
-from fuselm.ops import decode_linear  # noqa: E402
-
-GB = 1e9
 BF16 = torch.bfloat16
 ROWS = (1, 8, 32, 64)
 
@@ -59,45 +51,6 @@ class Shapes:
 
 LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, cache_len=1024)
 SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, cache_len=16)
-
-
-# ----------------------------------------------------------------------------------- timing
-# A minimal local timer (benchmarks/timing.py is not on this branch): the same names as timing.py's
-def median_ms(fn: Callable[[], object]) -> float:
-    """Median time of ``fn``: triton's do_bench (CUDA events, warm-up, L2 flushed) on a GPU, else wall clock."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def captured(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph after three warm-up calls (compilation, autotuning) on a side stream; its
-    replay. Without CUDA, ``fn`` itself."""
-    if not torch.cuda.is_available():
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def copy_gbps(moved_bytes: int) -> float:
-    """Device copy bandwidth (bytes read + written) of a bf16 copy_ moving ``moved_bytes``."""
-    src = torch.randn(moved_bytes // 4, dtype=BF16, device=DEVICE)
-    dst = torch.empty_like(src)
-    return moved_bytes / (median_ms(lambda: dst.copy_(src)) * 1e-3) / GB
 
 
 # ----------------------------------------------------------------------------------- projections
@@ -222,10 +175,11 @@ def time_projection(case: Projection, copy: float) -> list[dict]:
     for impl, fn in case.impls.items():
         with torch.no_grad():
             replay = captured(lambda fn=fn: [fn(s) for s in sets])
-            us = median_ms(replay) * 1e3 / len(sets)
+            us = median_ms(replay, rep_ms=300.0) * 1e3 / len(sets)
         total = case.weight_bytes + case.activation_bytes
         gbps = total / (us * 1e-6) / GB
-        rows.append({"what": "projection", "impl": impl, "m": case.m, "name": case.name, "us": round(us, 2),
+        rows.append({"what": "projection", "impl": impl, "batch": case.m, "context": None, "m": case.m,
+                     "name": case.name, "us": round(us, 2),
                      "bytes": total, "gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy, 1),
                      "formula": f"({case.weight_bytes} B weights + {case.activation_bytes} B activations) / "
                                 f"{us:.2f} us = {gbps:.0f} GB/s = {100 * gbps / copy:.1f} % of {copy:.0f} GB/s copy",
@@ -240,7 +194,10 @@ def tuned_configs() -> dict[str, dict[str, str]]:
             if isinstance(kernel, triton.runtime.Autotuner) and kernel.cache}
 
 
-def print_table(rows: list[dict], ms: list[int]) -> None:
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    ms = list(dict.fromkeys(row["m"] for row in rows))
     impls = list(dict.fromkeys(row["impl"] for row in rows))
     print("\nus (% of copy bandwidth) per projection and M; impls:")
     for index, impl in enumerate(impls):
@@ -252,40 +209,23 @@ def print_table(rows: list[dict], ms: list[int]) -> None:
             print(f"{name:<34} M={m:<3} " + "  ".join(cells))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/decode-linear-h200.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script runs)")
-    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS),
-                        help=f"values of M (default {' '.join(map(str, ROWS))}; above "
-                             f"{decode_linear.MAX_STREAMING_ROWS} every fused op takes its cuBLAS path)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    shapes = SMOKE if args.smoke else LLAMA3_8B
-    copy = copy_gbps(2**31 if torch.cuda.is_available() else 2**20)
-    print(f"copy bandwidth: {copy:.0f} GB/s (a {2**31 if torch.cuda.is_available() else 2**20} B bf16 copy_, "
-          "bytes read + written)")
-    rows = []
+FORMULA = ("bytes = weights + activations read or written once; us = graph replay / input_sets; "
+           "gbps = bytes / us; pct_of_copy = gbps / copy_gbps")
+
+
+def rows(copy_gbps: float, *, smoke: bool = False, ms: tuple[int, ...] = ROWS) -> list[dict]:
+    """The projection rows: each projection at each M in ``ms``, every implementation (tiny shapes with ``smoke``)."""
+    shapes = SMOKE if smoke else LLAMA3_8B
+    out = []
     with fuselm.use_backend("triton"):
-        for case in projections(shapes, args.rows):
-            rows += time_projection(case, copy)
+        for case in projections(shapes, list(ms)):
+            out += time_projection(case, copy_gbps)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    results = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (smoke run)",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy, 1), "shapes": vars(shapes),
-        "prologue_norm_max_rows": decode_linear.PROLOGUE_NORM_MAX_ROWS,
-        "method": "us: median replay time (triton do_bench, L2 flushed) of a CUDA graph calling the implementation "
-                  "once per input set, divided by the sets (input_sets: 3 x L2 of weights); bytes: weights + "
-                  "activations read or written once; bf16",
-        "rows": rows, "tuned_configs": tuned_configs()}
-    if not args.smoke:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    print_table(rows, args.rows)
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def settings(smoke: bool = False) -> dict:
+    """What the rows ran with: shapes, the prologue-norm threshold, the configs the autotuner chose."""
+    return {"shapes": vars(SMOKE if smoke else LLAMA3_8B),
+            "prologue_norm_max_rows": decode_linear.PROLOGUE_NORM_MAX_ROWS, "tuned_configs": tuned_configs()}

@@ -79,7 +79,10 @@ def captured(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = ()
     """``fn`` captured in a CUDA graph, after three warm-up calls on a side stream (compilation and
     autotuning stay out of the capture): returns the graph's replay, which runs ``fn``'s GPU work with no
     host overhead. A replay reads and writes the memory the capture used: keep ``fn``'s tensors referenced
-    while the replay is in use. ``grad_to_none``'s gradients are reset after the warm-up and the capture."""
+    while the replay is in use. ``grad_to_none``'s gradients are reset after the warm-up and the capture.
+    Without CUDA, ``fn`` itself (a script's ``--smoke`` run on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return fn
 
     def clear_grads() -> None:
         for tensor in grad_to_none:
@@ -105,7 +108,8 @@ def copy_ms(moved_bytes: int) -> float:
     many bytes is compared with, fixed costs of a short call (e.g. the L2 flush's write-back) included.
     Not replayed from a CUDA graph: there a copy of 512 MiB or more ran at 2.73 TB/s on an H200, against
     4.2 TB/s called plainly."""
-    src = torch.randn(moved_bytes // 4, device="cuda", dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a --smoke run
+    src = torch.randn(moved_bytes // 4, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     return median_ms(lambda: dst.copy_(src))
 

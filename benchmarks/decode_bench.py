@@ -1,0 +1,352 @@
+"""Decode on one GPU: a decoder layer's decode step, decode attention and the fused projections, in one run.
+
+    python benchmarks/decode_bench.py --out benchmarks/results/decode-h200.json
+    python benchmarks/decode_bench.py --only layer_step          # or attention, projection (repeatable)
+    python benchmarks/decode_bench.py --smoke                    # tiny shapes on CPU, wall clock: checks the script
+
+Writes one JSON: rows ``{"what": "layer_step" | "attention" | "projection", "impl", "batch", "context", "us",
+"bytes", "pct_of_copy", ...}``, the GPU, versions, date, the copy bandwidth measured in this run and the text of
+every formula. The attention rows come from ``decode_attention_bench.rows``, the projection rows from
+``decode_linear_bench.rows``; this file adds the layer-step rows.
+
+Layer step: one Llama-3-8B-shaped ``LlamaDecoderLayer`` (hidden 4096, 32 q heads, 8 kv heads of 128, MLP 14336,
+RMSNorm eps 1e-5, bf16, layer_idx 0, SDPA) stepping one new token per row over a cache already holding
+``context`` positions, captured in a CUDA graph and timed as the median replay (timing.median_ms, L2 flushed).
+Each replay first resets the cache's length to ``context`` (one small fill kernel, inside the timed graph), so
+every replay runs at the same context. Implementations:
+
+- ``fuselm``: ``fuselm.patch(layer)`` with a ``fuselm.generation.FusedKVCache`` (the fused decode path when the
+  patched layer has one; else HF's attention through the cache's ``update``), ``attention_mask=None``;
+- ``hf_eager``: the unpatched layer with HF's ``StaticCache`` and the causal mask HF's model builds for it;
+- ``hf_compile``: the same under ``torch.compile(layer)`` (default mode, compiled before timing);
+- ``hf_fuselm_ops``: the patched layer with HF's ``StaticCache``: cuBLAS + SDPA + fuselm's elementwise ops.
+
+Every cache holds the same random K/V. ``kernels``: CUDA kernels of one eager step (torch.profiler; the length
+reset is outside the profiled step), memcpy/memset counted apart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # before triton is imported: the Triton paths run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import decode_attention_bench
+import decode_linear_bench
+import torch
+import transformers
+import triton
+from timing import GB, captured, copy_gbps, median_ms
+from transformers import LlamaConfig, StaticCache
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRotaryEmbedding,
+)
+
+import fuselm
+from fuselm.generation import FusedKVCache
+
+WHATS = ("layer_step", "attention", "projection")
+LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "rms_norm_eps")
+IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
+BF16 = torch.bfloat16
+LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
+SMOKE_LAYER_SHAPES = [(2, 8)]
+MAX_LEN_FACTOR = 2  # each cache holds max_len = 2 * context positions (HF's SDPA reads all of them)
+LAYER_FORMULA = ("bytes = layer weights (every parameter) + KV read (valid positions only: 2 * B * Hkv * context "
+                 "* D * 2) + KV written (2 * B * Hkv * D * 2) + activations (hidden in and out: 2 * B * hidden * 2); "
+                 "bound_us = bytes / copy_gbps; pct_of_bound = bound_us / us = pct_of_copy (bytes / us against "
+                 "copy_gbps); us: median CUDA-graph replay of one step, the length reset included")
+COPY_BYTES, SMOKE_COPY_BYTES = 2**31, 2**20
+COPY_FORMULA = "copy_gbps = {moved} B moved (half read, half written, bf16 copy_) / median time (timing.copy_gbps)"
+
+
+def llama_config(smoke: bool) -> LlamaConfig:
+    """A one-layer Llama-3-8B-shaped config (tiny with ``smoke``), SDPA attention."""
+    sizes = ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 96} if smoke else
+             {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "intermediate_size": 14336})
+    config = LlamaConfig(**sizes, rms_norm_eps=1e-5, num_hidden_layers=1, vocab_size=128, rope_theta=500000.0,
+                         max_position_embeddings=16384)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def new_layer(config: LlamaConfig, device: str) -> LlamaDecoderLayer:
+    """layer_idx 0, bf16, nn.Linear's random init, norm weights 1 + N(0, 0.1) (not all ones)."""
+    with torch.device(device):
+        layer = LlamaDecoderLayer(config, layer_idx=0).to(BF16).eval()
+    with torch.no_grad():
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.add_(0.1 * torch.randn_like(norm.weight))
+    return layer
+
+
+# The layer's cache argument: "past_key_values" in transformers <= 5.17, "cache" after (with a deprecation shim)
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
+
+
+@dataclass
+class StepInputs:
+    """What one decode step of B rows at ``context`` takes, shared by every implementation."""
+
+    batch: int
+    context: int
+    max_len: int
+    hidden: torch.Tensor  # [B, 1, hidden]
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [B, 1, D] each
+    cache_position: torch.Tensor  # [1] int64: the new token's slot
+    position_ids: torch.Tensor  # [B, 1]
+    keys: torch.Tensor  # [B, Hkv, max_len, D]: every cache's contents
+    values: torch.Tensor
+
+
+def step_inputs(config: LlamaConfig, batch: int, context: int, device: str) -> StepInputs:
+    kv_heads, head_dim, max_len = config.num_key_value_heads, config.head_dim, MAX_LEN_FACTOR * context
+    hidden = torch.randn(batch, 1, config.hidden_size, device=device, dtype=BF16)
+    position_ids = torch.full((batch, 1), context, device=device)
+    cos_sin = LlamaRotaryEmbedding(config).to(device)(hidden, position_ids)
+    keys, values = (torch.randn(batch, kv_heads, max_len, head_dim, device=device, dtype=BF16) for _ in range(2))
+    return StepInputs(batch, context, max_len, hidden, cos_sin, torch.tensor([context], device=device), position_ids,
+                      keys, values)
+
+
+def fused_cache(config: LlamaConfig, s: StepInputs, device: str) -> tuple[FusedKVCache, Callable[[], None]]:
+    """A FusedKVCache holding ``s``'s K/V with ends = context, and the reset that puts ends back to context."""
+    cache = FusedKVCache(config, s.batch, s.max_len, dtype=BF16, device=device)
+    keys, values = cache.buffers(0)
+    keys.copy_(s.keys)
+    values.copy_(s.values)
+    cache.plan(None)
+    cache.advance(s.context)
+    ends = cache.lengths()[1]
+    return cache, lambda: ends.fill_(s.context)
+
+
+def static_cache(config: LlamaConfig, s: StepInputs, device: str) -> tuple[StaticCache, Callable[[], None]]:
+    """HF's StaticCache holding ``s``'s K/V at ``context`` positions, and the reset of its length to context."""
+    cache = StaticCache(config=config, max_cache_len=s.max_len)
+    cache.early_initialization(batch_size=s.batch, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                               dtype=BF16, device=device)
+    layer = cache.layers[0]
+    layer.keys.copy_(s.keys)
+    layer.values.copy_(s.values)
+    layer.cumulative_length.fill_(s.context)
+    return cache, lambda: layer.cumulative_length.fill_(s.context)
+
+
+def patch_checked(layer: torch.nn.Module) -> str:
+    report = fuselm.patch(layer)
+    if (report["decoder_layer"].patched, report["decoder_layer"].total) != (1, 1):
+        raise RuntimeError(f"fuselm.patch did not patch the decoder layer:\n{report}")
+    return str(report)
+
+
+def count_kernels(step: Callable[[], object], reset: Callable[[], None]) -> dict:
+    """CUDA kernels (and memcpy/memset) of one eager ``step``, the reset before it not profiled."""
+    if not torch.cuda.is_available():
+        return {}
+    reset()
+    torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
+            step()
+            torch.cuda.synchronize()
+    except RuntimeError as error:  # a profiler that cannot start (CUPTI) costs the count, not the row
+        return {"kernels_error": f"{type(error).__name__}: {error}"}
+    device_events = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [name for name in device_events if not name.startswith(("Memcpy", "Memset"))]
+    return {"kernels": len(kernels), "copies": len(device_events) - len(kernels),
+            "kernel_names": dict(Counter(kernels))}
+
+
+def layer_step_bytes(layer: torch.nn.Module, config: LlamaConfig, batch: int, context: int) -> dict[str, int]:
+    item = BF16.itemsize
+    kv_row = config.num_key_value_heads * config.head_dim * item  # one position of K (or V) in one row
+    return {"weights": sum(p.numel() * p.element_size() for p in layer.parameters()),
+            "kv_read": 2 * batch * context * kv_row, "kv_written": 2 * batch * kv_row,
+            "activations": 2 * batch * config.hidden_size * item}
+
+
+def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] = IMPLS) -> tuple[list[dict], str]:
+    """The layer-step rows (every impl at each shape) and fuselm.patch's report on the layer."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = llama_config(smoke)
+    layer = new_layer(config, device)
+    rows, report = [], ""
+    for batch, context in SMOKE_LAYER_SHAPES if smoke else LAYER_SHAPES:
+        s = step_inputs(config, batch, context, device)
+        counted = layer_step_bytes(layer, config, batch, context)
+        total = sum(counted.values())
+        outputs = {}
+        for impl in impls:
+            row = {"what": "layer_step", "impl": impl, "batch": batch, "context": context, "max_len": s.max_len,
+                   "bytes": total, "bytes_counted": counted}
+            try:
+                if impl in ("fuselm", "hf_fuselm_ops"):
+                    report = patch_checked(layer)
+                else:
+                    fuselm.unpatch(layer)
+                cache, reset = fused_cache(config, s, device) if impl == "fuselm" else static_cache(config, s, device)
+                # HF's model builds this mask once per step for every layer: outside the timed step
+                mask = None if impl == "fuselm" else create_causal_mask(config, s.hidden, None, cache, s.position_ids)
+                if impl == "hf_compile":
+                    torch._dynamo.reset()
+                call = torch.compile(layer, dynamic=False) if impl == "hf_compile" else layer
+                kwargs = {"position_embeddings": s.cos_sin, "attention_mask": mask, CACHE_ARG: cache,
+                          "cache_position": s.cache_position}
+                held = {}
+
+                def step(call=call, hidden=s.hidden, kwargs=kwargs, held=held):
+                    held["out"] = call(hidden, **kwargs)
+
+                def replayed(step=step, reset=reset):
+                    reset()
+                    step()
+
+                with torch.no_grad():
+                    replayed()  # compiles (hf_compile), autotunes (fuselm), and is the output checked
+                    out = held["out"].clone()
+                    us = median_ms(captured(replayed)) * 1e3
+                    row.update(count_kernels(step, reset))
+                outputs[impl] = out
+                bound_us = total / (copy * GB) * 1e6
+                row.update({"us": round(us, 2), "bound_us": round(bound_us, 2),
+                            "pct_of_bound": round(100 * bound_us / us, 1), "pct_of_copy": round(100 * bound_us / us, 1),
+                            "finite": bool(torch.isfinite(out).all()), "out_shape": list(out.shape),
+                            "mask": "none" if mask is None else f"HF causal mask {list(mask.shape)}",
+                            "formula": f"({' + '.join(f'{v} B {k}' for k, v in counted.items())}) / {copy:.0f} GB/s "
+                                       f"= {bound_us:.1f} us bound; / {us:.1f} us = {100 * bound_us / us:.1f} %"})
+                del cache, call, held
+            except Exception as error:  # noqa: BLE001 (e.g. torch.compile failing): recorded, the other impls go on
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            finally:
+                fuselm.unpatch(layer)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            detail = row.get("error") or (f"{row['us']:9.1f} us  {row['pct_of_bound']:5.1f} % of bound  "
+                                          f"{row.get('kernels', '-')} kernels   {row['formula']}")
+            print(f"  layer_step {impl:<14} B={batch:<3} context={context:<5} {detail}", flush=True)
+        if "hf_eager" in outputs:  # same weights, inputs and cache contents: the outputs compare
+            reference = outputs["hf_eager"].float()
+            for row in rows[-len(impls):]:
+                if row["impl"] in outputs:
+                    error = ((outputs[row["impl"]].float() - reference).norm() / reference.norm()).item()
+                    row["rel_err_vs_hf_eager"] = float(f"{error:.2e}")
+    return rows, report
+
+
+def check_smoke(rows: list[dict]) -> None:
+    """--smoke: every layer-step impl that ran gave finite outputs of one shape; every what produced rows."""
+    steps = [row for row in rows if row["what"] == "layer_step"]
+    bad = [f"{row['impl']}: {row.get('error') or 'not finite'}" for row in steps
+           if not row.get("finite") and not (row["impl"] == "hf_compile" and "error" in row)]
+    shapes = {tuple(row["out_shape"]) for row in steps if "out_shape" in row}
+    if bad or len(shapes) != 1:
+        raise SystemExit(f"smoke check failed: {bad or ''} output shapes {shapes}")
+    print(f"smoke check: {len(steps)} layer-step rows, outputs finite, shape {shapes.pop()}")
+
+
+def print_layer_table(rows: list[dict], copy: float) -> None:
+    steps = [row for row in rows if row["what"] == "layer_step"]
+    if not steps:
+        return
+    print(f"\ndecoder layer decode step, Llama-3-8B shapes, bf16: us (% of byte bound at {copy:.0f} GB/s, kernels)")
+    impls = list(dict.fromkeys(row["impl"] for row in steps))
+    print(f"{'B x context':<14}" + "".join(f"{impl:>26}" for impl in impls))
+    for batch, context in dict.fromkeys((row["batch"], row["context"]) for row in steps):
+        line = f"{f'{batch} x {context}':<14}"
+        for impl in impls:
+            row = next(r for r in steps if (r["impl"], r["batch"], r["context"]) == (impl, batch, context))
+            cell = ("error" if "error" in row
+                    else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')})")
+            line += f"{cell:>26}"
+        print(line)
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-h200.json; "
+                                                    "--smoke writes only when given)")
+    parser.add_argument("--only", choices=WHATS, action="append", help="run only these row kinds (repeatable)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, wall clock (checks the script)")
+    parser.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS), help="layer-step impls")
+    parser.add_argument("--rows", type=int, nargs="*", default=list(decode_linear_bench.ROWS),
+                        help="projection M values (above decode_linear.MAX_STREAMING_ROWS the fused ops take cuBLAS)")
+    parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
+                        help="also time fuselm attention with attention.PROGRAMS_PER_SM at each (impl fuselm_ppsN)")
+    args = parser.parse_args()
+    whats = args.only or list(WHATS)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    moved = COPY_BYTES if torch.cuda.is_available() else SMOKE_COPY_BYTES
+    copy, copy_formula = copy_gbps(moved), COPY_FORMULA.format(moved=moved)
+    print(f"copy: {copy_formula} = {copy:.0f} GB/s", flush=True)
+    rows, seconds, settings, report = [], {}, {}, None
+    backend = fuselm.use_backend("triton") if args.smoke else fuselm.use_backend(fuselm.get_backend())
+    with backend:
+        for what in whats:
+            began = time.perf_counter()
+            if what == "attention":
+                rows += decode_attention_bench.rows(copy, smoke=args.smoke,
+                                                    sweep_programs_per_sm=tuple(args.sweep_programs_per_sm))
+                settings["attention"] = decode_attention_bench.settings()
+            elif what == "projection":
+                rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))
+                settings["projection"] = decode_linear_bench.settings(args.smoke)
+            else:
+                layer_rows, report = layer_step_rows(copy, smoke=args.smoke, impls=tuple(args.impls))
+                rows += layer_rows
+            seconds[what] = round(time.perf_counter() - began, 1)
+    results = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (smoke run)",
+        "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "fuselm_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_gbps": round(copy, 1), "seconds": seconds, "patch_report": report, "settings": settings,
+        "layer_config": {key: getattr(llama_config(args.smoke), key) for key in LAYER_CONFIG_KEYS}
+        | {"dtype": "bfloat16", "max_len": f"{MAX_LEN_FACTOR} * context", "attn_implementation": "sdpa"},
+        "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA,
+                     "attention": decode_attention_bench.FORMULA, "projection": decode_linear_bench.FORMULA},
+        "rows": rows,
+    }
+    out = args.out or (None if args.smoke else "benchmarks/results/decode-h200.json")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.smoke and "layer_step" in whats:
+        check_smoke(rows)
+    decode_attention_bench.print_table([r for r in rows if r["what"] == "attention"], copy)
+    decode_linear_bench.print_table([r for r in rows if r["what"] == "projection"])
+    print_layer_table(rows, copy)
+    print(f"\n{seconds} s per part, {time.perf_counter() - started:.0f} s in all; formulas in the JSON's 'formulas'")
+
+
+if __name__ == "__main__":
+    main()
