@@ -10,20 +10,16 @@ overridden for one block of code by :func:`use_backend`:
   imported; the kernels then run in Triton's interpreter (slow; how CPU-only CI checks them).
 
 Names are case-insensitive and may carry surrounding blanks, in the environment variable and in the
-functions alike. Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, which
-every thread sees; :func:`use_backend` overrides it for the current thread only, so two threads can
-run under different backends at once. A thread started inside a ``use_backend`` block sees the
-process default, not the block's backend; asyncio tasks of one thread share that thread's override.
-(The override is a ``threading.local``, not a ``contextvars.ContextVar``: torch.compile cannot trace
-``ContextVar.get``, while it reads a thread-local attribute and guards on its value, so a compiled
-function recompiles for another backend instead of keeping the one it was traced under.)
+functions alike. Scope: the backend is process-wide, :func:`use_backend` included. It cannot be per thread:
+a backward pass (and gradient checkpointing's recomputation of the forward) runs on autograd's own worker
+threads, which must take the path the forward took; a thread-local (or ``contextvars``) switch is not seen
+there, so a recomputed forward would save other tensors than the first and checkpointing would fail.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 
 import torch
@@ -45,35 +41,30 @@ def _validated(name: object) -> str:
     return normalised
 
 
-_default = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")  # the process-wide backend
-_thread = threading.local()  # .override: this thread's use_backend backend, absent or None outside any block
+_backend = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")
 
 
 def get_backend() -> str:
-    """The backend in force in this thread: its :func:`use_backend` override, else the process default."""
-    return getattr(_thread, "override", None) or _default
+    """The backend in force: 'auto', 'triton' or 'reference'."""
+    return _backend
 
 
 def set_backend(name: str) -> None:
-    """Set the process-wide default backend (overrides ``FUSELM_BACKEND``), seen by every thread.
-
-    An active :func:`use_backend` block keeps its own backend until it exits.
-    """
-    global _default
-    _default = _validated(name)
+    """Set the backend for every op in this process (overrides ``FUSELM_BACKEND``)."""
+    global _backend
+    _backend = _validated(name)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``.
-
-    The override holds in the current thread only; other threads keep theirs. Blocks nest.
-    """
-    outer, _thread.override = getattr(_thread, "override", None), _validated(name)
+    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...`` (process-wide, see the
+    module docstring); the previous backend is restored when the block exits. Blocks nest."""
+    previous = get_backend()
+    set_backend(name)
     try:
         yield
     finally:
-        _thread.override = outer
+        set_backend(previous)
 
 
 def runs_triton(*tensors: torch.Tensor) -> bool:
@@ -82,7 +73,7 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
     The first tensor decides (the callers have already checked that all share device and dtype).
     """
     x = tensors[0]
-    backend = getattr(_thread, "override", None) or _default
+    backend = _backend
     if backend == "reference":
         return False
     if backend == "auto":
