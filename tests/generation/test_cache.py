@@ -72,7 +72,7 @@ def generate_with_fused_cache(model, ids, mask, cache=None, auto_compile=False):
 
 
 def assert_lengths_follow_the_mask(seen, mask):
-    pads = (mask == 0).sum(-1).to(torch.int32)
+    pads = (mask == 0).sum(-1).to(torch.int32).cpu()
     assert len(seen) == NEW  # the prefill, then one decode step per new token after the first
     for seq_len, starts, ends in seen:
         assert starts.device.type == ends.device.type == DEVICE

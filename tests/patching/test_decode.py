@@ -32,6 +32,8 @@ def decode_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
     sizes = {"hidden_size": 256} if name in ("phi3", "llama2") else {"head_dim": 64}
     model = tiny_model(name, dtype=dtype, **sizes)
     model.generation_config.eos_token_id = None
+    if name == "gemma2":  # HF's sdpa attention drops Gemma 2's logit soft-capping before transformers 5.24
+        model.config._attn_implementation = "eager"
     return model
 
 
