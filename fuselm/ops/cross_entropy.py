@@ -693,7 +693,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: T
     grad_on = torch.is_grad_enabled()
     loss, lse, *_ = LINEAR_CROSS_ENTROPY(
         hidden.reshape(flat_labels.numel(), hidden.shape[-1]),  # not (-1, H): H may be 0 (all-zero logits)
-        weight, bias, flat_labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss, chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
+        weight, bias, flat_labels, divisor, reduction, ignore_index, label_smoothing, softcap, z_loss,
+        chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.dtype),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad)
     if reduction == "none":

@@ -18,8 +18,16 @@ import torch
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import (FusedOp, as_rows, autotune, check_real, check_same_device, check_tensor, new_output,
-                                sm_count)
+from fuselm.ops._common import (
+    FusedOp,
+    as_rows,
+    autotune,
+    check_real,
+    check_same_device,
+    check_tensor,
+    new_output,
+    sm_count,
+)
 from fuselm.ops._triton import tl, triton
 
 CASTINGS = ("llama", "gemma", "none")

@@ -17,8 +17,15 @@ import torch
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import (FusedOp, autotune, check_same, check_same_device, check_tensor, new_output,
-                                new_output_like)
+from fuselm.ops._common import (
+    FusedOp,
+    autotune,
+    check_same,
+    check_same_device,
+    check_tensor,
+    new_output,
+    new_output_like,
+)
 from fuselm.ops._triton import tl, triton
 
 LAYOUTS = ("bhsd", "bshd")

@@ -19,8 +19,8 @@ from torch import nn
 
 from fuselm.backend import path_name
 from fuselm.patching.classes import ORIGINAL
-from fuselm.patching.families import family_of
 from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks
+from fuselm.patching.families import family_of
 from fuselm.patching.modules import NEXT_NORM, FusedDecoderLayer
 from fuselm.patching.recognise import Recogniser, kind_of
 from fuselm.patching.report import KindReport, PatchReport

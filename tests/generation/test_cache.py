@@ -67,7 +67,8 @@ def generate_with_fused_cache(model, ids, mask, cache=None, auto_compile=False):
     cache = cache or FusedKVCache(model, ids.shape[0], ids.shape[1] + NEW)
     cache.plan(mask)
     recorder = LengthsRecorder(cache)
-    tokens = greedy(model, ids, mask, auto_compile, **{CACHE_ARG: cache}, logits_processor=LogitsProcessorList([recorder]))
+    tokens = greedy(model, ids, mask, auto_compile, **{CACHE_ARG: cache},
+                    logits_processor=LogitsProcessorList([recorder]))
     return tokens, cache, recorder.seen
 
 

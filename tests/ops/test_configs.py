@@ -21,6 +21,7 @@ from tests.helpers import assert_close, float64_leaf, grads
 from tests.helpers import randn as randn_on
 from tests.ops.test_attention import check_every_path as _check_decode_attention
 
+
 def randn(*shape, **options):
     return randn_on(*shape, device=DEVICE, **options)
 

@@ -181,7 +181,8 @@ def test_eps_and_offset_are_python_numbers(path, device, op):
         (lambda **kw: fuselm.add_rms_norm(x, x.flip(0), w, **kw)[0])
     for name in ("eps", "offset"):
         for bad in (None, torch.tensor(1e-6, device=device), True, "1e-6"):
-            with pytest.raises(TypeError, match=f"{name} must be a Python float \\(or int\\), got {type(bad).__name__}"):
+            message = f"{name} must be a Python float \\(or int\\), got {type(bad).__name__}"
+            with pytest.raises(TypeError, match=message):
                 call(**{name: bad})
     for bad in (-1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps must be a non-negative finite number"):

@@ -10,8 +10,7 @@ import inspect
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import DynamicCache, Trainer, TrainingArguments, default_data_collator
-from transformers import modeling_utils
+from transformers import DynamicCache, Trainer, TrainingArguments, default_data_collator, modeling_utils
 
 import fuselm
 from fuselm.patching import loss as fused_loss
@@ -176,7 +175,8 @@ def test_bfloat16_model_is_as_close_to_float64_as_hf_in_bfloat16(path, fused_cal
     assert fused_calls == [(torch.bfloat16, torch.bfloat16)]
     assert got[0].loss.dtype == hf[0].loss.dtype == torch.float32
     for name in ["loss", *expected[1]]:
-        pick = (lambda run: run[0].loss) if name == "loss" else (lambda run: run[1][name])
+        def pick(run, name=name):
+            return run[0].loss if name == "loss" else run[1][name]
         hf_err, err = rel_err(pick(hf), pick(expected)), rel_err(pick(got), pick(expected))
         assert err <= 2 * hf_err + 1e-3, f"{name}: relative error {err:.2e}, HF's own bf16 {hf_err:.2e}"
 

@@ -7,8 +7,8 @@ from peft import LoraConfig, get_peft_model
 
 import fuselm
 from tests.helpers import rel_err
-from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 from tests.models import VOCAB, tiny_model, token_ids
+from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PHI3_LINEARS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
