@@ -492,8 +492,10 @@ def _block_rows(n_rows: int) -> int:
 
 # The prologue norm's rstd pass (_row_rstd) loads [NORM_ROWS, NORM_BLOCK] x tiles of NORM_TILE elements (64 a thread
 # at 4 warps), NORM_MAX_UNROLL of them per dependent step: K = 4096 takes 1 step up to M = 8, 2 at M = 16, 8 at
-# M = 64, where the old BLOCK_K-chunk loop took K / BLOCK_K = 16..64. Sized on ptxas -v for sm_90 (no spills in any
-# streaming config; 95 registers at M <= 8, 128 at M = 16 in the 32x128 config, which used 80 before).
+# M = 64, where the old BLOCK_K-chunk loop took K / BLOCK_K = 16..64. Sized on ptxas -v for sm_90 at K = 4096 over
+# the 8 streaming configs and M = 1..64 (spills: 16 bytes in 1 case, 8 in 1, none in the other 38; the 32x128 config
+# went from 80 registers to 95 at M <= 8 and 128 at M = 16). Wider tiles or more unrolling cost registers, and
+# occupancy, at M >= 16.
 NORM_TILE = 8192
 NORM_MAX_UNROLL = 4
 
