@@ -12,9 +12,13 @@ Each implementation's call is captured in a CUDA graph (:func:`timing.captured`)
 of weights and inputs (enough that one set's weights have left L2 when its turn comes again: 3 x L2 of weights
 per graph), replayed, and timed as the median replay time (:func:`timing.median_ms`) divided by the sets. Bytes
 counted: the weights plus every activation read or written once (x, norm weight, residual, cos/sin, outputs, the
-cache rows written); GB/s = bytes / time, against the copy bandwidth measured in the same run. The fused norm ops
-run both ways around fuselm.ops.decode_linear.PROLOGUE_NORM_MAX_ROWS: norm in the kernel's prologue (every program
-recomputes each row's rstd) and fuselm.rms_norm first.
+cache rows written); GB/s = bytes / time, against the copy bandwidth measured in the same run.
+
+The streaming kernels are timed at every M whatever the dispatch thresholds say, by calling their ``fuselm::`` ops
+(decode_linear.QKV_ROPE, NORM_GATED_LINEAR, LINEAR_RESIDUAL) directly, so one run gives the numbers that set them:
+the fused norm ops both ways (norm in the kernel's prologue, every program recomputing each row's rstd, against
+fuselm.rms_norm first: PROLOGUE_NORM_MAX_ROWS) and linear_residual's kernel against cuBLAS addmm
+(LINEAR_RESIDUAL_MAX_ROWS, LINEAR_RESIDUAL_MAX_INNER), next to what the public op dispatches to.
 
     python benchmarks/decode_bench.py --only projection [--rows 1 8 32 64 2048]
     python benchmarks/decode_bench.py --only projection --smoke   # tiny shapes, no GPU (interpreter, wall clock)
@@ -73,20 +77,14 @@ class Projection:
     activation_bytes: int
 
 
-def _with_prologue_rows(rows: int, fn: Callable[[dict], object]) -> Callable[[dict], object]:
-    """``fn`` with PROLOGUE_NORM_MAX_ROWS set to ``rows`` while it is called (and so while it is captured)."""
-    def call(s):
-        saved, decode_linear.PROLOGUE_NORM_MAX_ROWS = decode_linear.PROLOGUE_NORM_MAX_ROWS, rows
-        try:
-            return fn(s)
-        finally:
-            decode_linear.PROLOGUE_NORM_MAX_ROWS = saved
-    return call
+def _fused_norm_variants(fused: Callable[[dict, bool], object]) -> dict[str, Callable[[dict], object]]:
+    """``fused(s, in_prologue)`` both ways: the kernel's prologue norm and fuselm.rms_norm first."""
+    return {"fused, norm in prologue": lambda s: fused(s, True), "fused, rms_norm first": lambda s: fused(s, False)}
 
 
-def _fused_norm_variants(fn: Callable[[dict], object]) -> dict[str, Callable[[dict], object]]:
-    return {"fused, norm in prologue": _with_prologue_rows(decode_linear.MAX_STREAMING_ROWS, fn),
-            "fused, rms_norm first": _with_prologue_rows(0, fn)}
+def _norm_operand(s: dict, in_prologue: bool) -> tuple:
+    """(x, norm weight) for a streaming op: as given (norm in its prologue), or fuselm.rms_norm(x) and None."""
+    return (s["x"], s["norm"]) if in_prologue else (fuselm.rms_norm(s["x"], s["norm"], 1e-5).to(s["x"].dtype), None)
 
 
 def qkv_projection(shapes: Shapes, m: int) -> Projection:
@@ -101,9 +99,10 @@ def qkv_projection(shapes: Shapes, m: int) -> Projection:
                 "v_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
                 "positions": torch.randint(0, shapes.cache_len, (m, 1), device=DEVICE)}
 
-    def fused(s):
-        return fuselm.qkv_rope(s["x"], s["norm"], 1e-5, s["wq"], s["wk"], s["wv"], s["cos"], s["sin"], s["k_cache"],
-                               s["v_cache"], s["positions"], num_heads=shapes.heads, num_kv_heads=shapes.kv_heads)
+    def fused(s, in_prologue):
+        return decode_linear.QKV_ROPE(*_norm_operand(s, in_prologue), 1e-5, s["wq"], s["wk"], s["wv"], None, None,
+                                      None, None, None, 1e-5, s["cos"], s["sin"], s["k_cache"], s["v_cache"],
+                                      s["positions"], shapes.heads, "llama", 0.0)
 
     def separate(s):  # fuselm.rms_norm, three cuBLAS GEMMs, fuselm.rope, two index_put cache writes
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
@@ -130,8 +129,9 @@ def gate_up_projection(shapes: Shapes, m: int) -> Projection:
         return {"x": randn(m, k), "norm": 1 + randn(k, scale=0.1), "gate": randn(n, k, scale=0.02),
                 "up": randn(n, k, scale=0.02)}
 
-    def fused(s):
-        return fuselm.norm_gated_linear(s["x"], s["norm"], 1e-5, s["gate"], s["up"])
+    def fused(s, in_prologue):
+        return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, in_prologue), 1e-5, s["gate"], s["up"], "silu",
+                                               "llama", 0.0)
 
     def separate(s):  # fuselm.rms_norm, two cuBLAS GEMMs, fuselm.silu_mul
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
@@ -147,7 +147,8 @@ def residual_projection(label: str, n_in: int, n_out: int, m: int) -> Projection
         return {"x": randn(m, n_in), "weight": randn(n_out, n_in, scale=0.02), "residual": randn(m, n_out)}
 
     return Projection(f"linear_residual {label} {n_in}->{n_out}", m, make_set, {
-        "fused": lambda s: fuselm.linear_residual(s["x"], s["weight"], s["residual"]),
+        "fused streaming kernel": lambda s: decode_linear.LINEAR_RESIDUAL(s["x"], s["weight"], s["residual"], None),
+        "fuselm.linear_residual (dispatch)": lambda s: fuselm.linear_residual(s["x"], s["weight"], s["residual"]),
         "cuBLAS addmm(residual, x, W.T)": lambda s: torch.addmm(s["residual"], s["x"], s["weight"].t()),
         "cuBLAS + add": lambda s: s["residual"] + F.linear(s["x"], s["weight"]),
     }, n_out * n_in * 2, m * n_in * 2 + 2 * m * n_out * 2)
@@ -226,6 +227,10 @@ def rows(copy_gbps: float, *, smoke: bool = False, ms: tuple[int, ...] = ROWS) -
 
 
 def settings(smoke: bool = False) -> dict:
-    """What the rows ran with: shapes, the prologue-norm threshold, the configs the autotuner chose."""
+    """What the rows ran with: shapes, the dispatch thresholds, the rstd tiling, the configs the autotuner chose."""
     return {"shapes": vars(SMOKE if smoke else LLAMA3_8B),
-            "prologue_norm_max_rows": decode_linear.PROLOGUE_NORM_MAX_ROWS, "tuned_configs": tuned_configs()}
+            "prologue_norm_max_rows": decode_linear.PROLOGUE_NORM_MAX_ROWS,
+            "linear_residual_max_rows": decode_linear.LINEAR_RESIDUAL_MAX_ROWS,
+            "linear_residual_max_inner": decode_linear.LINEAR_RESIDUAL_MAX_INNER,
+            "norm_tile": decode_linear.NORM_TILE, "norm_max_unroll": decode_linear.NORM_MAX_UNROLL,
+            "tuned_configs": tuned_configs()}

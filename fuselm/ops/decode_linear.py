@@ -11,7 +11,8 @@ qkv, separate gate/up or Phi-3's packed gate_up); nothing is concatenated or cop
 
 Two paths on the GPU, picked by M = rows of x (B * T):
 
-- M <= ``MAX_STREAMING_ROWS`` (decode): one weight-streaming Triton kernel per op. A program owns a block of
+- M <= ``MAX_STREAMING_ROWS`` (decode; for linear_residual the narrower bounds where it beats cuBLAS, see
+  ``LINEAR_RESIDUAL_MAX_ROWS``): one weight-streaming Triton kernel per op. A program owns a block of
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
   so the weights cross HBM once; the norm runs in the prologue (on each x tile before the dot) and bias,
   residual, activation, head norm, RoPE and the cache write in the epilogue.
@@ -44,6 +45,13 @@ from fuselm.ops.rms_norm import CASTINGS, rms_norm, rms_norm_reference
 from fuselm.ops.rope import rope_reference
 
 MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernels; above, cuBLAS
+# linear_residual's kernel only where it beat cuBLAS torch.addmm(residual, x, W.T) (H200, bf16, Llama-3-8B shapes,
+# CUDA-graph replays, benchmarks/decode_linear_bench.py, us fused vs addmm): o 4096 -> 4096 14.8 vs 16.7 at M = 1
+# but 16.5 vs 15.9 at M = 64; down 14336 -> 4096 lost at every M (42.0 vs 40.0 at M = 1, 42.6 vs 40.3 at 8, 43.8 vs
+# 41.6 at 32, 46.1 vs 43.5 at 64). So: K <= 8192 (o, not down) and M <= 32 (o was measured at M = 1 and 64 only:
+# the bench's "fused streaming kernel" row, forced at every M, says where between them the crossing is).
+LINEAR_RESIDUAL_MAX_ROWS = 32
+LINEAR_RESIDUAL_MAX_INNER = 8192
 # Norm in the prologue means every program computes the rstd of every x row: it re-reads x (M x K) from L2 once
 # per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
 # reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
@@ -137,15 +145,27 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
-def _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 rstd of each x row (rows [BLOCK_M], masked by row_ok): one pass over the M x K rows."""
-    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(0, n_inner, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
-                    mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0).to(tl.float32)
-        sum_of_squares += tl.sum(x * x, axis=1)
-    return tl.rsqrt(sum_of_squares / n_inner + eps)
+def _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+              NORM_UNROLL: tl.constexpr):
+    """fp32 rstd of each x row, as [BLOCK_M] (rows: tl.arange(0, BLOCK_M)), from one pass over the M x K rows.
+
+    Latency, not bandwidth, bounds this pass (a K = 4096 row is 8 KB, from L2): it reads only the NORM_ROWS =
+    next_pow2(M) real rows, not the padding up to BLOCK_M, in [NORM_ROWS, NORM_BLOCK] tiles, NORM_UNROLL
+    independent tiles per loop step so their loads issue back to back (see NORM_TILE for the step counts)."""
+    norm_rows = tl.arange(0, NORM_ROWS).to(tl.int64)
+    row_base = (x_ptr + norm_rows * stride_xm)[:, None]
+    norm_row_ok = (norm_rows < n_rows)[:, None]
+    sum_of_squares = tl.zeros([NORM_ROWS], dtype=tl.float32)
+    for start in range(0, n_inner, NORM_BLOCK * NORM_UNROLL):
+        for chunk in tl.static_range(NORM_UNROLL):
+            cols = start + chunk * NORM_BLOCK + tl.arange(0, NORM_BLOCK)
+            x = tl.load(row_base + cols[None, :], mask=norm_row_ok & (cols[None, :] < n_inner), other=0.0)
+            sum_of_squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+    rstd = tl.rsqrt(sum_of_squares / n_inner + eps)
+    if NORM_ROWS == rows.shape[0]:
+        return rstd
+    # row r < NORM_ROWS gets rstd[r] (a sum of it and zeros: exact), the padding rows past NORM_ROWS get 0
+    return tl.sum(tl.where(rows[:, None] == norm_rows[None, :], rstd[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -235,25 +255,26 @@ def _linear_residual_kernel(
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
-@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM"])
+@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM", "NORM_ROWS"])
 @triton.jit
 def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
-    HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr, NORM_ROWS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
-    # epilogue. With HAS_NORM it first reads x once for each row's rstd (M x K from L2), then normalises each x
-    # tile before its dots. Writes M x BLOCK_N outputs.
+    # epilogue. With HAS_NORM it first reads x once for each row's rstd (M x K from L2, _row_rstd), then
+    # normalises each x tile before its dots. Writes M x BLOCK_N outputs.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     row_ok = rows < n_rows
     rstd = 0.0
     if HAS_NORM:
-        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M, BLOCK_K)
+        rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_inner, BLOCK_K):
@@ -366,8 +387,9 @@ def _qkv_rope_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd,
     eps, head_eps, offset,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
-    HAS_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_TAIL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program p owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows: the rotary pairs (d1, d1 + half) of its part and, in part 0, the tail
@@ -383,7 +405,7 @@ def _qkv_rope_kernel(
     row_ok = rows < n_rows
     rstd = 0.0
     if HAS_NORM:
-        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, n_inner, eps, BLOCK_M, BLOCK_K)
+        rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
@@ -412,7 +434,8 @@ def _qkv_rope_kernel(
         stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
 
 
-_QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "HAS_HEAD_NORM"]
+_QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "NORM_ROWS",
+            "HAS_HEAD_NORM"]
 _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, warps, stages): SPLIT parts per head spread small models over more SMs;
     # (1, 64, 4, 3) keeps whole heads of 256 (Gemma) within shared memory
     triton.Config({"SPLIT": split, "BLOCK_K": k}, num_warps=w, num_stages=s)
@@ -467,6 +490,27 @@ def _block_rows(n_rows: int) -> int:
     return max(16, triton.next_power_of_2(n_rows))
 
 
+# The prologue norm's rstd pass (_row_rstd) loads [NORM_ROWS, NORM_BLOCK] x tiles of NORM_TILE elements (64 a thread
+# at 4 warps), NORM_MAX_UNROLL of them per dependent step: K = 4096 takes 1 step up to M = 8, 2 at M = 16, 8 at
+# M = 64, where the old BLOCK_K-chunk loop took K / BLOCK_K = 16..64. Sized on ptxas -v for sm_90 at K = 4096 over
+# the 8 streaming configs and M = 1..64 (spills: 16 bytes in 1 case, 8 in 1, none in the other 38; the 32x128 config
+# went from 80 registers to 95 at M <= 8 and 128 at M = 16). Wider tiles or more unrolling cost registers, and
+# occupancy, at M >= 16.
+NORM_TILE = 8192
+NORM_MAX_UNROLL = 4
+
+
+def _norm_blocks(n_rows: int, n_inner: int, has_norm: bool) -> dict:
+    """The rstd pass's constexprs (NORM_ROWS = next_pow2(M) rows, NORM_BLOCK columns, NORM_UNROLL tiles a step);
+    fixed when there is no norm, so that variant compiles once."""
+    if not has_norm:
+        return {"NORM_ROWS": 1, "NORM_BLOCK": 16, "NORM_UNROLL": 1}
+    norm_rows = triton.next_power_of_2(n_rows)
+    norm_block = min(triton.next_power_of_2(n_inner), max(16, NORM_TILE // norm_rows))
+    return {"NORM_ROWS": norm_rows, "NORM_BLOCK": norm_block,
+            "NORM_UNROLL": min(NORM_MAX_UNROLL, triton.cdiv(n_inner, norm_block))}
+
+
 def _unit_stride(weight: Tensor) -> Tensor:
     return weight if weight.stride(-1) == 1 else weight.contiguous()
 
@@ -496,7 +540,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
         HAS_NORM=norm_weight is not None, CAST_NORMED=casting == "llama", ACTIVATION=activation,
-        BLOCK_M=_block_rows(n_rows))
+        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None))
     return out
 
 
@@ -539,7 +583,8 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         x2.stride(0), *(w.stride(0) for w in weights),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
-        CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]))
+        CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
+        **_norm_blocks(*x2.shape, norm_weight is not None))
     return q_out
 
 
@@ -630,8 +675,9 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
 
     Returns:
         [..., N] in x's dtype: the new residual stream. Accumulated in fp32 with the residual (and bias) added
-        before the one rounding, as ``torch.addmm(residual, x, weight.T)`` does; which is the path for more than
-        ``MAX_STREAMING_ROWS`` rows, or when an input requires grad.
+        before the one rounding, as ``torch.addmm(residual, x, weight.T)`` does. The streaming kernel runs for up
+        to ``LINEAR_RESIDUAL_MAX_ROWS`` rows with K up to ``LINEAR_RESIDUAL_MAX_INNER`` (where it beats cuBLAS);
+        otherwise, or when an input requires grad, that ``torch.addmm`` (then ``+ bias``) runs.
     """
     check_tensor("x", x)
     _check_weight("weight", weight, x)
@@ -642,7 +688,7 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
                          "(x's leading shape, weight's N)")
     _check_vector("bias", bias, weight.shape[0], x)
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (runs_triton(x) and 0 < n_rows <= MAX_STREAMING_ROWS and x.shape[-1] > 0
+    if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and 0 < x.shape[-1] <= LINEAR_RESIDUAL_MAX_INNER
             and not _needs_grad(x, weight, residual, bias)):
         return LINEAR_RESIDUAL(x, weight, residual, bias)
     return linear_residual_reference(x, weight, residual, bias)

@@ -1,12 +1,17 @@
 """linear_residual, norm_gated_linear and qkv_rope against float64 references (interpreter on CPU, GPU).
 
 Rows M = 1, 3 and 17 take the weight-streaming kernels (17: past the prologue-norm threshold, so the norm runs
-first), M = 80 the cuBLAS path (plain torch matmul on CPU). Outputs and the KV caches start as NaN: a cache keeps
-NaN everywhere except at the positions each row writes.
+first), M = 80 the cuBLAS path (plain torch matmul on CPU); tests that monkeypatch the dispatch thresholds cover
+the rest of each path. Outputs and the KV caches start as NaN: a cache keeps NaN everywhere except at the positions
+each row writes.
 """
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
+import triton
 
 import fuselm
 from fuselm.backend import INTERPRETING
@@ -65,6 +70,24 @@ def test_linear_residual_non_contiguous_and_leading_dims(path):
     _check_linear_residual(6, torch.float32, False, leading=(2,))
 
 
+@pytest.mark.parametrize(("n_rows", "max_inner", "streams"), [
+    (17, None, True),  # M <= LINEAR_RESIDUAL_MAX_ROWS, K <= LINEAR_RESIDUAL_MAX_INNER: the streaming kernel
+    (33, None, False),  # M past LINEAR_RESIDUAL_MAX_ROWS (but <= MAX_STREAMING_ROWS): cuBLAS addmm
+    (3, 32, False),  # K = 40 past a LINEAR_RESIDUAL_MAX_INNER of 32 (as down's 14336 is past 8192): cuBLAS addmm
+])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_linear_residual_takes_the_kernel_only_where_it_beats_cublas(monkeypatch, n_rows, max_inner, streams,
+                                                                     has_bias):
+    calls = []
+    kernel_op = decode_linear.LINEAR_RESIDUAL
+    monkeypatch.setattr(decode_linear, "LINEAR_RESIDUAL", lambda *args: calls.append(args) or kernel_op(*args))
+    if max_inner is not None:
+        monkeypatch.setattr(decode_linear, "LINEAR_RESIDUAL_MAX_INNER", max_inner)
+    with fuselm.use_backend("triton"):
+        _check_linear_residual(n_rows, torch.bfloat16, has_bias)
+    assert len(calls) == int(streams)
+
+
 def test_linear_residual_keeps_autograd():
     x = randn(3, 40).requires_grad_()
     weight, residual = randn(24, 40).requires_grad_(), randn(3, 24)
@@ -105,13 +128,46 @@ def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
     _check_norm_gated(n_rows, torch.bfloat16, "gelu_tanh" if norm == "gemma" else "silu", packed, norm)
 
 
-@pytest.mark.parametrize("prologue_max_rows", [0, 64])
-def test_norm_in_prologue_and_norm_first_agree(monkeypatch, prologue_max_rows):
-    """Both sides of PROLOGUE_NORM_MAX_ROWS, at one M: the prologue norm and fuselm.rms_norm first."""
+@contextlib.contextmanager
+def _streaming_at_every_m():
+    """The streaming kernels, the prologue norm included, up to MAX_STREAMING_ROWS rows whatever the thresholds."""
+    every_m = decode_linear.MAX_STREAMING_ROWS
+    with mock.patch.multiple(decode_linear, LINEAR_RESIDUAL_MAX_ROWS=every_m, PROLOGUE_NORM_MAX_ROWS=every_m):
+        yield
+
+
+PROLOGUE_CASES = {  # (rows, PROLOGUE_NORM_MAX_ROWS, the rstd pass's NORM_TILE and NORM_MAX_UNROLL or None: defaults)
+    "norm_first": (5, 0, None),
+    "rows_8_of_block_16": (5, 64, None),  # NORM_ROWS 8 < BLOCK_M 16: rstd spread over the padded rows
+    "rows_16_of_block_16": (16, 64, None),
+    "rows_64_of_block_64": (33, 64, None),
+    # K = 40 in 16-column tiles, 2 a step: 3 tiles over 2 loop steps, the last tile wholly past K
+    "rows_8_narrow_tiles": (5, 64, (8 * 16, 2)),
+    "rows_64_narrow_tiles": (33, 64, (64 * 16, 2)),
+}
+
+
+@pytest.mark.parametrize("case", PROLOGUE_CASES)
+def test_norm_in_prologue_and_norm_first_agree(monkeypatch, case):
+    """Both sides of PROLOGUE_NORM_MAX_ROWS and the rstd pass's tilings: the prologue norm and fuselm.rms_norm
+    first, each checked to be the path taken."""
+    n_rows, prologue_max_rows, tiles = PROLOGUE_CASES[case]
     monkeypatch.setattr(decode_linear, "PROLOGUE_NORM_MAX_ROWS", prologue_max_rows)
+    if tiles is not None:
+        monkeypatch.setattr(decode_linear, "NORM_TILE", tiles[0])
+        monkeypatch.setattr(decode_linear, "NORM_MAX_UNROLL", tiles[1])
+    launches, norm_blocks = [], decode_linear._norm_blocks  # (has_norm, the rstd constexprs) of each launch
+    monkeypatch.setattr(decode_linear, "_norm_blocks",
+                        lambda *args: launches.append((args[2], norm_blocks(*args))) or launches[-1][1])
     with fuselm.use_backend("triton"):
-        _check_norm_gated(5, torch.float32, norm="gemma", contiguous=False)
-        _check_qkv(1, 5, torch.float32)
+        _check_norm_gated(n_rows, torch.float32, norm="gemma", contiguous=False)
+        _check_qkv(1, n_rows, torch.float32)
+    in_prologue = n_rows <= prologue_max_rows
+    assert [has_norm for has_norm, _ in launches] == [in_prologue, in_prologue]
+    if in_prologue:
+        assert all(blocks["NORM_ROWS"] == triton.next_power_of_2(n_rows) for _, blocks in launches)
+    if tiles is not None:
+        assert all(blocks["NORM_BLOCK"] == 16 and blocks["NORM_UNROLL"] == 2 for _, blocks in launches)
 
 
 # ----------------------------------------------------------------------------------- qkv_rope
@@ -258,9 +314,12 @@ def test_empty_rows(path):
 # The forced-config checks use shapes every config fits on an H200 (shared memory: fp32 only where a config's
 # tiles are small enough; the autotuner skips the configs that do not fit a shape, a forced config cannot).
 def _check_streaming_configs():
-    for n_rows, dtype in ((3, torch.float32), (17, torch.bfloat16), (40, torch.float16)):  # BLOCK_M 16, 32, 64
-        _check_linear_residual(n_rows, dtype, True)
-        _check_norm_gated(n_rows, torch.bfloat16 if dtype == torch.float32 else dtype, "silu", packed=n_rows == 3)
+    # BLOCK_M 16, 32, 64; the norm in the prologue at 3 rows (NORM_ROWS 4 < BLOCK_M) and 40 (NORM_ROWS = BLOCK_M),
+    # run first at 17; at 40 the dispatch thresholds are lifted so both kernels run (and compile) at BLOCK_M 64
+    for n_rows, dtype in ((3, torch.float32), (17, torch.bfloat16), (40, torch.float16)):
+        with _streaming_at_every_m() if n_rows == 40 else contextlib.nullcontext():
+            _check_linear_residual(n_rows, dtype, True)
+            _check_norm_gated(n_rows, torch.bfloat16 if dtype == torch.float32 else dtype, "silu", packed=n_rows == 3)
 
 
 def _check_qkv_configs(head_norm):
