@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuselm.backend import INTERPRETING, runs_triton
-from fuselm.ops._common import (FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor,
-                                new_output)
+from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor, new_output
 from fuselm.ops._triton import tl, triton
 from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
 from fuselm.ops.glu import ACTIVATIONS, _activation, gelu_tanh_mul, silu_mul
@@ -373,7 +372,8 @@ def _finish_head(
     tl.store(out[:, None] + d1[None, :] * stride_d, _cast(a1, dtype), mask=mask)
     tl.store(out[:, None] + (d1 + half)[None, :] * stride_d, _cast(a2, dtype), mask=mask)
     if HAS_TAIL:
-        tl.store(out[:, None] + tail[None, :] * stride_d, _cast(tail_values, dtype), mask=write[:, None] & tail_ok[None, :])
+        tl.store(out[:, None] + tail[None, :] * stride_d, _cast(tail_values, dtype),
+                 mask=write[:, None] & tail_ok[None, :])
 
 
 @triton.jit
@@ -425,7 +425,8 @@ def _qkv_rope_kernel(
             acc_tail += tl.load(b_ptr + rows_tail, mask=tail_ok, other=0.0).to(tl.float32)[None, :]
     dtype = q_out_ptr.dtype.element_ty
     _finish_head(
-        _cast(acc1, dtype).to(tl.float32), _cast(acc2, dtype).to(tl.float32), _cast(acc_tail, dtype).to(tl.float32), kind,
+        _cast(acc1, dtype).to(tl.float32), _cast(acc2, dtype).to(tl.float32), _cast(acc_tail, dtype).to(tl.float32),
+        kind,
         head, rows, row_ok, d1, ok1, tail, tail_ok,
         q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         seq_len, head_dim, half, cache_len, head_eps, offset,
@@ -602,7 +603,8 @@ def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | 
         n_rows, triton.next_power_of_2(n_rows), seq_len, num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2,
         cache_len, q.stride(0), k.stride(0), v.stride(0),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), head_eps, offset,
-        HAS_HEAD_NORM=q_norm_weight is not None, CAST_NORMED=casting == "llama", **_head_blocks(head_dim, cos.shape[-1]))
+        HAS_HEAD_NORM=q_norm_weight is not None, CAST_NORMED=casting == "llama",
+        **_head_blocks(head_dim, cos.shape[-1]))
     return q_out
 
 

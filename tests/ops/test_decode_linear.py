@@ -94,7 +94,7 @@ def test_linear_residual_keeps_autograd():
     with fuselm.use_backend("triton"):
         out = fuselm.linear_residual(x, weight, residual)
     out.sum().backward()
-    assert_close(weight.grad, torch.ones(3, 24, dtype=torch.float64).T @ x.double(), torch.float32)
+    assert_close(weight.grad, torch.ones(3, 24, dtype=torch.float64).T @ x.double().cpu(), torch.float32)
 
 
 # ----------------------------------------------------------------------------------- norm_gated_linear
@@ -259,7 +259,9 @@ def _call_qkv(**changes):
     names = ["x", "norm_weight", "eps", "q_weight", "k_weight", "v_weight", "cos", "sin", "k_cache", "v_cache",
              "cache_positions"]
     named = dict(zip(names, args)) | options
-    named.update(changes)
+    # each bad input on the test device, but for the one meant to be on another device (meta)
+    named.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+                  for k, v in changes.items()})
     fuselm.qkv_rope(*[named.pop(n) for n in names], **named)
 
 
