@@ -55,8 +55,13 @@ LINEAR_RESIDUAL_MAX_INNER = 8192
 # per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
 # reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
 # M x K written and read back) and the streaming kernel reads the normed x. benchmarks/decode_linear_bench.py
-# times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first").
-PROLOGUE_NORM_MAX_ROWS = 16
+# times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first"). Measured on the H200 (us,
+# prologue vs rms_norm first, both including the norm): norm_gated_linear 65.2 vs 65.8 at M = 1, 68.2 vs 65.5 at 8,
+# 77.9 vs 66.3 at 16; qkv_rope 30.3 vs 21.6 at M = 1 (its 48 head programs each wait for the rstd pass before
+# streaming, with too few programs to hide it), 34.9 vs 22.2 at 8. So the prologue for norm_gated_linear at M = 1 only
+# and never (yet) for qkv_rope; the benchmark keeps timing both, so a faster prologue shows.
+GATED_PROLOGUE_NORM_MAX_ROWS = 1
+QKV_PROLOGUE_NORM_MAX_ROWS = 0
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
@@ -729,7 +734,7 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     if not runs_triton(x) or x.shape[-1] == 0:
         return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
-        if norm_weight is not None and n_rows > PROLOGUE_NORM_MAX_ROWS:
+        if norm_weight is not None and n_rows > GATED_PROLOGUE_NORM_MAX_ROWS:
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype)
@@ -844,7 +849,7 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
     (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
                                                 head_dim)
     if n_rows <= MAX_STREAMING_ROWS:
-        if norm_weight is not None and n_rows > PROLOGUE_NORM_MAX_ROWS:
+        if norm_weight is not None and n_rows > QKV_PROLOGUE_NORM_MAX_ROWS:
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
                         k_cache, v_cache, cache_positions, num_heads, casting, offset)

@@ -132,11 +132,12 @@ def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
 def _streaming_at_every_m():
     """The streaming kernels, the prologue norm included, up to MAX_STREAMING_ROWS rows whatever the thresholds."""
     every_m = decode_linear.MAX_STREAMING_ROWS
-    with mock.patch.multiple(decode_linear, LINEAR_RESIDUAL_MAX_ROWS=every_m, PROLOGUE_NORM_MAX_ROWS=every_m):
+    with mock.patch.multiple(decode_linear, LINEAR_RESIDUAL_MAX_ROWS=every_m,
+                             GATED_PROLOGUE_NORM_MAX_ROWS=every_m, QKV_PROLOGUE_NORM_MAX_ROWS=every_m):
         yield
 
 
-PROLOGUE_CASES = {  # (rows, PROLOGUE_NORM_MAX_ROWS, the rstd pass's NORM_TILE and NORM_MAX_UNROLL or None: defaults)
+PROLOGUE_CASES = {  # (rows, *_PROLOGUE_NORM_MAX_ROWS, the rstd pass's NORM_TILE and NORM_MAX_UNROLL or None: defaults)
     "norm_first": (5, 0, None),
     "rows_8_of_block_16": (5, 64, None),  # NORM_ROWS 8 < BLOCK_M 16: rstd spread over the padded rows
     "rows_16_of_block_16": (16, 64, None),
@@ -149,10 +150,11 @@ PROLOGUE_CASES = {  # (rows, PROLOGUE_NORM_MAX_ROWS, the rstd pass's NORM_TILE a
 
 @pytest.mark.parametrize("case", PROLOGUE_CASES)
 def test_norm_in_prologue_and_norm_first_agree(monkeypatch, case):
-    """Both sides of PROLOGUE_NORM_MAX_ROWS and the rstd pass's tilings: the prologue norm and fuselm.rms_norm
+    """Both sides of *_PROLOGUE_NORM_MAX_ROWS and the rstd pass's tilings: the prologue norm and fuselm.rms_norm
     first, each checked to be the path taken."""
     n_rows, prologue_max_rows, tiles = PROLOGUE_CASES[case]
-    monkeypatch.setattr(decode_linear, "PROLOGUE_NORM_MAX_ROWS", prologue_max_rows)
+    monkeypatch.setattr(decode_linear, "GATED_PROLOGUE_NORM_MAX_ROWS", prologue_max_rows)
+    monkeypatch.setattr(decode_linear, "QKV_PROLOGUE_NORM_MAX_ROWS", prologue_max_rows)
     if tiles is not None:
         monkeypatch.setattr(decode_linear, "NORM_TILE", tiles[0])
         monkeypatch.setattr(decode_linear, "NORM_MAX_UNROLL", tiles[1])
