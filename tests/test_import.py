@@ -99,7 +99,7 @@ def test_backend_triton_without_triton_names_the_missing_package():
 def test_patched_model_without_triton_computes_the_same_logits():
     code = ("import sys; sys.modules['triton'] = None\nimport torch, fuselm\n"
             "from tests.models import tiny_model\n"
-            "model = tiny_model('llama')\nids = torch.randint(0, model.config.vocab_size, (2, 7))\n"
+            "model = tiny_model('llama', device='cpu')\nids = torch.randint(0, model.config.vocab_size, (2, 7))\n"
             "with torch.no_grad():\n    before = model(ids).logits\n    report = fuselm.patch(model)\n"
             "    after = model(ids).logits\n"
             "assert report['rms_norm'].patched and torch.equal(before, after), report\nprint('ok')")

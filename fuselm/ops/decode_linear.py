@@ -57,11 +57,11 @@ LINEAR_RESIDUAL_MAX_INNER = 8192
 # M x K written and read back) and the streaming kernel reads the normed x. benchmarks/decode_linear_bench.py
 # times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first"). Measured on the H200 (us,
 # prologue vs rms_norm first, both including the norm): norm_gated_linear 65.2 vs 65.8 at M = 1, 68.2 vs 65.5 at 8,
-# 77.9 vs 66.3 at 16; qkv_rope 30.3 vs 21.6 at M = 1 (its 48 head programs each wait for the rstd pass before
-# streaming, with too few programs to hide it), 34.9 vs 22.2 at 8. So the prologue for norm_gated_linear at M = 1 only
-# and never (yet) for qkv_rope; the benchmark keeps timing both, so a faster prologue shows.
+# 77.9 vs 66.3 at 16; qkv_rope alone 30.3 vs 21.6 at M = 1, 34.9 vs 22.2 at 8. Inside a whole layer step at B = 1,
+# though, the prologue for both measured 148.1 us against 150.9 with qkv_rope's norm run first (benchmarks/NOTES.md):
+# so the prologue at M = 1 for both, the norm first above.
 GATED_PROLOGUE_NORM_MAX_ROWS = 1
-QKV_PROLOGUE_NORM_MAX_ROWS = 0
+QKV_PROLOGUE_NORM_MAX_ROWS = 1
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does

@@ -179,9 +179,10 @@ def test_training_mode_and_unsupported_head_dims_take_hf_layers():
     with fuselm.patched(model), mock.patch.object(decode, "decode_step") as step:
         generate(model, ids, mask, new_cache(model, mask))
         model.train()
-        model.model.layers[0](torch.randn(3, 1, model.config.hidden_size),
-                              position_embeddings=model.model.rotary_emb(torch.zeros(1), torch.zeros(1, 1).long()),
-                              position_ids=torch.zeros(1, 1, dtype=torch.long),
+        positions = torch.zeros(1, 1, dtype=torch.long, device=DEVICE)
+        model.model.layers[0](torch.randn(3, 1, model.config.hidden_size, device=DEVICE),
+                              position_embeddings=model.model.rotary_emb(torch.zeros(1, device=DEVICE), positions),
+                              position_ids=positions,
                               **{CACHE_ARG: new_cache(model, mask)})
     assert step.call_count == 0
 
