@@ -304,7 +304,8 @@ def _head_columns(part, half, head_dim, SPLIT: tl.constexpr, BLOCK_HALF_HEAD: tl
     per_part: tl.constexpr = BLOCK_HALF_HEAD // SPLIT
     d1 = part * per_part + tl.arange(0, per_part)
     tail = 2 * half + tl.arange(0, BLOCK_TAIL)
-    return d1, d1 < half, tail, (tail < head_dim) & (part == 0)
+    # tl.where, not `& (part == 0)`: triton 3.9's interpreter makes an int32 mask of a tensor & a scalar comparison
+    return d1, d1 < half, tail, tl.where(part == 0, tail < head_dim, False)
 
 
 @triton.jit
