@@ -20,6 +20,7 @@ from tests.conftest import DEVICE
 from tests.helpers import assert_close, float64_leaf, grads
 from tests.helpers import randn as randn_on
 from tests.ops.test_attention import check_every_path as _check_decode_attention
+from tests.ops.test_decode_linear import DECODE_CONFIG_CHECKS
 
 
 def randn(*shape, **options):
@@ -100,6 +101,7 @@ CONFIG_CHECKS = [  # (name, the kernel whose configs are forced, a check that ru
     ("glu_fwd", glu._glu_fwd_kernel, _check_glu),
     ("glu_bwd", glu._glu_bwd_kernel, _check_glu),
     ("decode_attention", attention._decode_attention, _check_decode_attention),
+    *DECODE_CONFIG_CHECKS,
 ]
 
 

@@ -14,9 +14,7 @@ import torch
 import triton
 
 import fuselm
-from fuselm.backend import INTERPRETING
 from fuselm.ops import decode_linear
-from fuselm.ops._common import forced_config
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_close
@@ -340,22 +338,6 @@ DECODE_CONFIG_CHECKS = [  # (name, the kernel whose configs are forced, a check 
     ("qkv_epilogue", decode_linear._qkv_epilogue_kernel,
      lambda: _check_qkv(2, 40, torch.float32, head_norm=True, rotary_dim=10, packed=True)),
 ]
-
-
-def _config_id(config):
-    return "-".join(f"{name}{value}" for name, value in config.kwargs.items()) + f"-w{config.num_warps}"
-
-
-@pytest.mark.parametrize(("kernel", "check", "index"), [
-    pytest.param(kernel, check, index, id=f"{name}-{_config_id(config)}")
-    for name, kernel, check in DECODE_CONFIG_CHECKS for index, config in enumerate(kernel.configs)
-])
-def test_every_config_matches_float64(kernel, check, index):
-    configs = kernel.configs
-    with fuselm.use_backend("triton"), forced_config(kernel, index):
-        check()
-    assert kernel.configs is configs
-    assert not INTERPRETING or kernel.best_config is configs[0]
 
 
 # ----------------------------------------------------------------------------------- GPU

@@ -24,7 +24,6 @@ import fuselm
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
-from tests.ops.test_decode_linear import DECODE_CONFIG_CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the launches below
@@ -97,7 +96,7 @@ def _launches_no_config_test_makes():
 def test_every_launch_compiles_for_hopper(monkeypatch):
     recorder = LaunchRecorder(monkeypatch)
     with fuselm.use_backend("triton"):
-        for _, kernel, check in CONFIG_CHECKS + DECODE_CONFIG_CHECKS:
+        for _, kernel, check in CONFIG_CHECKS:
             for index, config in enumerate(kernel.configs):
                 recorder.forced = (kernel.fn, config.num_warps)
                 with forced_config(kernel, index):
