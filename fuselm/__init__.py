@@ -1,7 +1,7 @@
 """fuselm: fused Triton kernels for Hugging Face decoder LLMs, with PyTorch fallbacks.
 
-Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`). Model patching
-(``fuselm.patch``) needs transformers (``pip install fuselm[hf]``) and is imported on first use.
+Ops pick Triton or the PyTorch reference per call (see :mod:`fuselm.backend`). Model patching (``fuselm.patch``)
+and ``fuselm.generate`` need transformers (``pip install fuselm[hf]``) and are imported on first use.
 """
 
 from importlib import metadata as _metadata
@@ -20,10 +20,11 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
     __version__ = "0+unknown"
 
 _PATCHING = ("patch", "unpatch", "patched", "PatchReport")
+_GENERATION = ("generate",)
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "cross_entropy", "linear_cross_entropy",
            "decode_attention", "linear_residual", "norm_gated_linear", "qkv_rope",
-           "get_backend", "set_backend", "use_backend", *_PATCHING]
+           "get_backend", "set_backend", "use_backend", *_PATCHING, *_GENERATION]
 
 
 def __getattr__(name: str):
@@ -31,4 +32,8 @@ def __getattr__(name: str):
         from fuselm import patching
 
         return getattr(patching, name)
+    if name in _GENERATION:
+        from fuselm import generation
+
+        return getattr(generation, name)
     raise AttributeError(f"module 'fuselm' has no attribute {name!r}")

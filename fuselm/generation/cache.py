@@ -14,6 +14,12 @@ Plan/run, as FlashInfer does:
   advances on layer 0 and writes with ``index_put_``; fused kernels take ``buffers(layer_idx)`` and ``lengths()``
   and write in place themselves.
 
+A forward into an empty cache (the prefill after ``plan``) attends over its own new keys and values alone: the
+layers still write them into the buffers, but hand HF's attention the [B, Hkv, T, D] states with a [T, T] mask
+instead of the whole buffers with a [T, max_cache_len] one, so SDPA runs its fastest kernels. The host knows
+this without asking the device: it counts the positions written since ``plan`` or ``reset`` (every row advances
+alike).
+
 Nothing in a step reads a length back to the host or has a data-dependent shape, and no tensor is ever
 reallocated, so a step can be captured in a CUDA graph and replayed while the lengths change.
 """
@@ -87,19 +93,39 @@ def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:
     return list(per_layer) if per_layer else [config] * config.num_hidden_layers
 
 
+class HostFill:
+    """What the host knows of a cache's fill, shared by its layers: positions written per row since ``plan`` or
+    ``reset`` (``filled``; None before either), and whether the forward now running started on a cache known to be
+    empty (``fresh``)."""
+
+    def __init__(self):
+        self.filled: int | None = None
+        self.fresh = False
+
+    def advance(self, num_tokens: int) -> None:
+        self.fresh = self.filled == 0
+        self.filled = None if self.filled is None else self.filled + num_tokens
+
+    def clear(self) -> None:
+        self.filled, self.fresh = 0, False
+
+
 class FusedKVLayer(CacheLayerMixin):
     """One layer's key and value buffers, [B, Hkv, max_cache_len, D], writing at the cache's current step.
 
     ``ends`` is the cache's shared [B] int32 tensor: ``update`` writes its T positions at slots ``ends - T ..
-    ends - 1`` of each row, i.e. after the cache has advanced for this step.
+    ends - 1`` of each row, i.e. after the cache has advanced for this step. ``host``: the cache's
+    :class:`HostFill`.
     """
 
     is_compileable = True  # fixed shapes and addresses, lengths on the device
     supports_early_init = True
 
-    def __init__(self, keys: Tensor, values: Tensor, ends: Tensor, sliding_window: int | None):
+    def __init__(self, keys: Tensor, values: Tensor, ends: Tensor, sliding_window: int | None,
+                 host: HostFill | None = None):
         super().__init__()
         self.keys, self.values, self._ends = keys, values, ends
+        self._host = host if host is not None else HostFill()
         self.batch_size, self.num_heads, self.max_cache_len, self.head_dim = keys.shape
         self.device, self.dtype = keys.device, keys.dtype
         self.sliding_window = sliding_window
@@ -127,18 +153,22 @@ class FusedKVLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Write [B, Hkv, T, D] states at each row's slots ``ends - T .. ends - 1``; return the whole buffers,
-        which HF's attention masks with the [B, 1, T, max_cache_len] mask that ``get_mask_sizes`` sizes."""
+        which HF's attention masks with the [B, 1, T, max_cache_len] mask that ``get_mask_sizes`` sizes (in a
+        forward that started on an empty cache: the states themselves, with a [B, 1, T, T] mask)."""
         self._check_states(key_states, value_states)
         new = key_states.shape[2]
         slots = self._ends.unsqueeze(1) - new + torch.arange(new, device=self.device, dtype=self._ends.dtype)
         slots = slots.long()  # [B, T]; with the [B, 1] rows, one [B, T] grid of (row, slot) pairs
         self.keys[self._rows, :, slots] = key_states.transpose(1, 2)  # each (row, slot) takes a [Hkv, D] slice
         self.values[self._rows, :, slots] = value_states.transpose(1, 2)
+        if self._host.fresh:
+            return key_states, value_states
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the mask HF builds: the whole buffer from slot 0."""
-        return self.max_cache_len, 0
+        """(kv_length, kv_offset) of the mask HF builds: the whole buffer from slot 0, or, before the first forward
+        into an empty cache, that forward's own ``query_length`` positions."""
+        return (query_length, 0) if self._host.filled == 0 else (self.max_cache_len, 0)
 
     def get_seq_length(self) -> Tensor:
         """Slots used so far (a 0-d device tensor, like StaticLayer's): the largest ``ends``."""
@@ -206,12 +236,13 @@ class FusedKVCache(StaticCache):
         self._starts, self._ends = self._row_lengths.unbind(0)
         self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=device)  # slot offsets of a step
         self.step_slots = self._offsets[:0].expand(batch_size, 0)
+        self._host = HostFill()
         layers = []
         for layer_config, window in zip(layer_configs(config), windows, strict=True):
             kv_heads, head_dim = head_facts(layer_config)
             shape = (batch_size, kv_heads, max_cache_len, head_dim)
             keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-            layers.append(FusedKVLayer(keys, values, self._ends, window))
+            layers.append(FusedKVLayer(keys, values, self._ends, window, self._host))
         Cache.__init__(self, layers=layers)
         if not torch.compiler.is_compiling():  # fixed addresses for compile's cudagraphs, as HF's StaticLayer marks
             for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
@@ -249,6 +280,7 @@ class FusedKVCache(StaticCache):
         """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], 1 or
         True at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work only."""
         if attention_mask is None:
+            self._host.clear()
             self._row_lengths.zero_()
             return
         if not isinstance(attention_mask, torch.Tensor):
@@ -261,6 +293,7 @@ class FusedKVCache(StaticCache):
         if attention_mask.shape[1] > self.max_cache_len:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions, more than max_cache_len "
                              f"{self.max_cache_len}")
+        self._host.clear()
         mask = attention_mask.to(self.device, non_blocking=True) != 0
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
@@ -269,6 +302,7 @@ class FusedKVCache(StaticCache):
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
         Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32."""
         self._ends.add_(num_tokens)
+        self._host.advance(num_tokens)
         self.step_slots = self._ends.unsqueeze(1) - num_tokens + self._offsets[:num_tokens]
 
     def open_step(self, num_tokens: int, position_ids: Tensor | None = None) -> None:
@@ -291,6 +325,7 @@ class FusedKVCache(StaticCache):
         """Zero every buffer and both lengths in place (no reallocation)."""
         super().reset()
         self._row_lengths.zero_()
+        self._host.clear()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         super().reorder_cache(beam_idx)

@@ -229,5 +229,7 @@ def fused_causal_lm_class(original_cls: type) -> type:
 
         return forward
 
+    from fuselm.generation.api import patched_generate
+
     return fused_subclass(original_cls, make_forward=make_forward, rebuild=(fused_causal_lm_class, (original_cls,)),
-                          _fuselm_loss=spec)
+                          _fuselm_loss=spec, generate=patched_generate)

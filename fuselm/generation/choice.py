@@ -1,0 +1,116 @@
+"""The token choice of one decode step, on the device: HF's logits processors and sampling, graph-safe.
+
+Every value a call sets (temperature, top-p, penalty, eos ids, the step count) lives in a device tensor of
+:class:`ChoiceState`, so one captured graph serves every call of the same :attr:`DecodeOptions.mode`; nothing
+reads a value back to the host and no shape depends on the data.
+
+HF's order: repetition penalty, then eos masked out below ``min_new_tokens``, then (sampling) temperature,
+top-k, top-p. Sampling draws with the exponential-race form of ``multinomial``: ``argmax(p / E)`` with E
+~ Exp(1) i.i.d. picks token i with probability p_i, with no host sync and a fixed shape.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fuselm.generation.options import DecodeOptions
+
+
+class ChoiceState:
+    """One batch bucket's decoding state, [B] rows, on ``device``; a call loads it with :meth:`start`.
+
+    Buffers: ``tokens`` [B, 1] int64, the last chosen token (the next step's input); ``positions`` [B, 1] int64,
+    its position id; ``generated`` [B, capacity] int64, the tokens chosen so far; ``done`` [B] bool, rows that
+    stopped; ``finish`` [B] int64, the step at which each row emitted eos (-1: not yet, or a filler row);
+    ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row (repetition penalty);
+    ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
+    """
+
+    def __init__(self, batch: int, vocab: int, capacity: int, device: torch.device):
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, 1, **long)
+        self.positions = torch.zeros(batch, 1, **long)
+        self.generated = torch.zeros(batch, capacity, **long)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.finish = torch.full((batch,), -1, **long)
+        self.count = torch.zeros(1, **long)
+        self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        self.scores = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+        self.logits = torch.zeros_like(self.scores)
+        self.eos = torch.zeros(0, **long)
+        fp32 = dict(dtype=torch.float32, device=device)
+        # temperature, top_p, repetition penalty; min_new_tokens and the pad id
+        self.values = torch.ones(3, **fp32)
+        self.limits = torch.zeros(2, **long)
+
+    def start(self, options: DecodeOptions, prompt: Tensor, real_rows: int) -> None:
+        """Load a call: ``prompt`` [B, S] (the bucket's rows, fillers after the ``real_rows``). Device work only."""
+        device = self.tokens.device
+        self.values.copy_(torch.tensor([options.temperature, options.top_p, options.repetition_penalty]),
+                          non_blocking=True)
+        self.limits.copy_(torch.tensor([options.min_new_tokens, options.pad or 0]), non_blocking=True)
+        if len(self.eos) != len(options.eos):
+            self.eos = torch.zeros(len(options.eos), dtype=torch.long, device=device)
+        self.eos.copy_(torch.tensor(options.eos, dtype=torch.long), non_blocking=True)
+        self.count.zero_()
+        self.finish.fill_(-1)
+        self.done.zero_()
+        self.done[real_rows:] = True  # filler rows only pad the batch to its bucket
+        if options.repetition_penalty != 1.0:
+            self.seen.zero_()
+            self.seen.scatter_(1, prompt, True)
+
+    def choose(self, logits: Tensor, options: DecodeOptions) -> Tensor:
+        """Pick each row's next token from ``logits`` [B, V] (fp32) and record it; returns the tokens [B]."""
+        if options.output_logits:
+            self.logits.copy_(logits)
+        scores = logits
+        if options.repetition_penalty != 1.0:
+            penalty = self.values[2]
+            scores = torch.where(self.seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        if options.min_new_tokens > 0 and options.eos:
+            early = self.count < self.limits[0]  # [1]
+            eos_scores = scores.index_select(1, self.eos)
+            scores = scores.index_copy(1, self.eos, eos_scores.masked_fill(early, float("-inf")))
+        if options.do_sample:
+            scores = _warped(scores, options, self.values[0], self.values[1])
+            race = torch.empty_like(scores).exponential_()
+            tokens = (scores.softmax(-1) / race).argmax(-1)
+        else:
+            tokens = scores.argmax(-1)
+        if options.output_scores:
+            self.scores.copy_(scores)
+        self._record(tokens, options)
+        return self.tokens[:, 0]
+
+    def _record(self, tokens: Tensor, options: DecodeOptions) -> None:
+        if options.eos:
+            tokens = torch.where(self.done, self.limits[1], tokens)
+            newly = torch.isin(tokens, self.eos) & ~self.done
+            self.finish.copy_(torch.where(newly, self.count, self.finish))
+            self.done.logical_or_(newly)
+        self.tokens.copy_(tokens.unsqueeze(1))
+        self.generated.index_copy_(1, self.count, self.tokens)
+        self.count.add_(1)
+        if options.repetition_penalty != 1.0:
+            self.seen.scatter_(1, self.tokens, True)
+
+    def advance_positions(self) -> None:
+        self.positions.add_(1)
+
+
+def _warped(scores: Tensor, options: DecodeOptions, temperature: Tensor, top_p: Tensor) -> Tensor:
+    """HF's sampling warpers in its order: temperature, top-k (keep the k best), top-p (keep the smallest set of
+    best tokens whose probability reaches top_p, at least one). scores [B, V] fp32 -> [B, V]."""
+    scores = scores / temperature
+    if options.top_k:
+        kth = torch.topk(scores, min(options.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if options.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores

@@ -1,0 +1,256 @@
+"""``fuselm.generate``: HF's ``generate`` for a patched causal LM, with each decode step one CUDA-graph replay.
+
+Plan/run, per call:
+
+1. **plan**: the batch is padded to its bucket (a power of two; filler rows repeat row 0 and are done from the
+   start), the bucket's :class:`FusedKVCache` (one per batch bucket, grown when a call needs more positions) is
+   planned from the attention mask, and the call's options are loaded into device tensors.
+2. **prefill**: the model's own forward over the prompt, writing the cache (SDPA over the prompt alone, see
+   ``cache.py``); the first token is chosen from its last logits.
+3. **decode**: one step per new token, each the whole model over one token per row (the fused decoder layers'
+   decode step, final norm, lm_head) plus the token choice (:mod:`fuselm.generation.choice`), with no host
+   sync. On CUDA the step is captured once per (bucket, options mode) after a warm-up that finishes every
+   autotune, and replayed. Whether every row is done is read every ``EOS_CHECK_EVERY`` steps, one check late,
+   so the host never waits on the device; the few extra steps only emit padding and are cut off.
+
+Graphs and caches belong to the engine of one model (held weakly: they are freed with it). A step is captured
+again when the model's parameters, classes or fuselm's backend changed since it was captured.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from fuselm.backend import get_backend
+from fuselm.generation.cache import FusedKVCache
+from fuselm.generation.choice import ChoiceState
+from fuselm.generation.options import DecodeOptions
+
+CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
+EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
+WARMUP_STEPS = 2  # eager steps before a capture: every autotune has finished by then
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch size a call of ``batch`` rows runs at: the next power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """The name HF's forward takes the cache by (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    """What a captured step depends on beyond its buffers: every parameter's storage and the modules' classes."""
+    return (get_backend(), tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters()),
+            tuple(type(m) for m in model.modules()))
+
+
+class _Bucket:
+    """One batch bucket: its cache, its decoding state and its captured steps (per options mode)."""
+
+    def __init__(self, model: nn.Module, batch: int, max_cache_len: int, vocab: int):
+        self.cache = FusedKVCache(model, batch, max_cache_len)
+        self.state = ChoiceState(batch, vocab, max_cache_len, model.device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.fingerprint: tuple | None = None
+
+
+class DecodeEngine:
+    """The prefill, decode loop and captured steps of one model. Use :func:`fuselm.generate`."""
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None  # one CUDA-graph memory pool for every bucket's graphs (they never replay concurrently)
+        self._cache_keyword = _cache_keyword(model)
+        self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the engine's model was freed")
+        return model
+
+    # ------------------------------------------------------------------ one call
+    def run(self, input_ids: Tensor, attention_mask: Tensor | None, options: DecodeOptions, streamer=None):
+        """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options."""
+        batch, prompt_len = input_ids.shape
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        if options.max_new_tokens == 0:
+            if streamer is not None:
+                streamer.end()
+            return self._output(input_ids, input_ids.new_zeros(batch, 0), [], [], options)
+        bucket = self._bucket(batch, prompt_len + options.max_new_tokens)
+        state, cache = bucket.state, bucket.cache
+        ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])
+        state.start(options, ids, batch)
+        cache.plan(mask)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        logits = self._forward(ids, positions, cache, mask if attention_mask is not None else None)
+        state.positions.copy_(positions[:, -1:] + 1)
+        state.choose(logits, options)
+        scores, raw = [], []
+        self._collect(state, batch, options, scores, raw, streamer)
+        step = self._step_function(bucket, options) if options.max_new_tokens > 1 else None
+        steps, pending = 1, None
+        while steps < options.max_new_tokens:
+            step()
+            steps += 1
+            self._collect(state, batch, options, scores, raw, streamer)
+            if options.eos and steps % EOS_CHECK_EVERY == 0:
+                if pending is not None and _read(pending):
+                    break
+                pending = _all_done_later(state.done[:batch])
+        if streamer is not None:
+            streamer.end()
+        kept = self._kept_steps(state, batch, steps, options)
+        return self._output(input_ids, state.generated[:batch, :kept], scores[:kept], raw[:kept], options)
+
+    def _bucket(self, batch: int, positions: int) -> _Bucket:
+        """The bucket for ``batch`` rows, its cache holding at least ``positions`` per row (grown if needed)."""
+        model = self.model
+        rows = batch_bucket(batch)
+        bucket = self._buckets.get(rows)
+        if bucket is None or bucket.cache.max_cache_len < positions:
+            length = max(CACHE_GRANULE * math.ceil(positions / CACHE_GRANULE),
+                         bucket.cache.max_cache_len if bucket is not None else 0)
+            self._buckets.pop(rows, None)
+            del bucket  # free the old cache and graphs before allocating the new ones
+            bucket = self._buckets[rows] = _Bucket(model, rows, length, model.get_output_embeddings().out_features)
+        fingerprint = _fingerprint(model)
+        if bucket.fingerprint != fingerprint:
+            bucket.graphs.clear()
+            bucket.fingerprint = fingerprint
+        return bucket
+
+    def _forward(self, ids: Tensor, positions: Tensor, cache: FusedKVCache, mask: Tensor | None) -> Tensor:
+        """The model over ``ids`` [B, T] at ``positions`` [B, T], writing ``cache``; the last logits [B, V], fp32."""
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **{self._cache_keyword: cache})
+        return out.logits[:, -1, :].float()
+
+    def _decode_step(self, bucket: _Bucket, options: DecodeOptions) -> None:
+        """One decode step on the bucket's buffers: the model over each row's last token, then the choice."""
+        state = bucket.state
+        logits = self._forward(state.tokens, state.positions, bucket.cache, None)
+        state.choose(logits, options)
+        state.advance_positions()
+
+    # ------------------------------------------------------------------ capture
+    def _step_function(self, bucket: _Bucket, options: DecodeOptions):
+        """A callable running one decode step: a graph replay on CUDA, the eager step elsewhere."""
+        if bucket.cache.device.type != "cuda":
+            return lambda: self._decode_step(bucket, options)
+        graph = bucket.graphs.get(options.mode)
+        if graph is None:
+            graph = self._capture(bucket, options)
+            if graph is None:
+                return lambda: self._decode_step(bucket, options)
+            bucket.graphs[options.mode] = graph
+        return graph.replay
+
+    def _capture(self, bucket: _Bucket, options: DecodeOptions) -> torch.cuda.CUDAGraph | None:
+        """Warm up and capture one decode step; the bucket's state and the RNG are as before. None (with a
+        warning) when the step cannot be captured: it then runs eagerly, still without host syncs in fuselm."""
+        device = bucket.cache.device
+        state, cache = bucket.state, bucket.cache
+        kept = [t.clone() for t in _state_tensors(state, cache)]
+        rng = torch.cuda.get_rng_state(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_STEPS):
+                    self._decode_step(bucket, options)
+            torch.cuda.current_stream(device).wait_stream(side)
+            _restore(state, cache, kept)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._decode_step(bucket, options)
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager step, which is correct
+            torch.cuda.synchronize(device)
+            warnings.warn(f"fuselm.generate: the decode step could not be captured in a CUDA graph "
+                          f"({type(error).__name__}: {error}); it runs eagerly", RuntimeWarning, stacklevel=4)
+            graph = None
+        _restore(state, cache, kept)
+        torch.cuda.set_rng_state(rng, device)
+        self.captures += graph is not None
+        return graph
+
+    # ------------------------------------------------------------------ outputs
+    @staticmethod
+    def _collect(state: ChoiceState, batch: int, options: DecodeOptions, scores: list, raw: list, streamer) -> None:
+        if options.output_scores:
+            scores.append(state.scores[:batch].clone())
+        if options.output_logits:
+            raw.append(state.logits[:batch].clone())
+        if streamer is not None:
+            streamer.put(state.tokens[:batch, 0].cpu())
+
+    @staticmethod
+    def _kept_steps(state: ChoiceState, batch: int, steps: int, options: DecodeOptions) -> int:
+        """Steps HF would have run: up to the step where the last row emitted eos, if every row did."""
+        if not options.eos:
+            return steps
+        finish = state.finish[:batch].tolist()
+        return steps if min(finish) < 0 else min(steps, max(finish) + 1)
+
+    @staticmethod
+    def _output(input_ids: Tensor, new: Tensor, scores: list, raw: list, options: DecodeOptions):
+        sequences = torch.cat((input_ids, new.to(input_ids.device, input_ids.dtype)), dim=1)
+        if not options.return_dict:
+            return sequences
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores) if options.output_scores else None,
+                                         logits=tuple(raw) if options.output_logits else None)
+
+
+def _padded(input_ids: Tensor, attention_mask: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
+    """``input_ids`` and its mask (ones when None) on the model's device, with filler rows (copies of row 0)
+    up to ``rows``."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    fill = rows - input_ids.shape[0]
+    if fill:
+        input_ids = torch.cat((input_ids, input_ids[:1].expand(fill, -1)))
+        mask = torch.cat((mask, mask[:1].expand(fill, -1)))
+    return input_ids, mask
+
+
+def _state_tensors(state: ChoiceState, cache: FusedKVCache) -> list[Tensor]:
+    return [state.tokens, state.positions, state.done, state.finish, state.count, state.seen, cache.lengths()[0],
+            cache.lengths()[1]]
+
+
+def _restore(state: ChoiceState, cache: FusedKVCache, kept: list[Tensor]) -> None:
+    for tensor, saved in zip(_state_tensors(state, cache), kept, strict=True):
+        tensor.copy_(saved)
+
+
+def _all_done_later(done: Tensor):
+    """Start reading ``done.all()`` without waiting: (host tensor, event) for :func:`_read`."""
+    flag = done.all().to("cpu", non_blocking=True)
+    if done.device.type != "cuda":
+        return flag, None
+    event = torch.cuda.Event()
+    event.record()
+    return flag, event
+
+
+def _read(pending) -> bool:
+    flag, event = pending
+    if event is not None:
+        event.synchronize()
+    return bool(flag)
