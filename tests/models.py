@@ -92,3 +92,14 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dev
 def token_ids(batch: int = 2, seq_len: int = 9, seed: int = 1, device: str = DEVICE) -> torch.Tensor:
     """[batch, seq_len] random ids that avoid the special tokens 0-2."""
     return torch.randint(3, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def decode_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Tiny model ``name`` with a head_dim that decode_attention supports (64; Phi-3 and Llama 2 derive it), eos
+    unset (tests that want one set it)."""
+    sizes = {"hidden_size": 256} if name in ("phi3", "llama2") else {"head_dim": 64}
+    model = tiny_model(name, dtype=dtype, **sizes)
+    model.generation_config.eos_token_id = None
+    if name == "gemma2":  # HF's sdpa attention drops Gemma 2's logit soft-capping before transformers 5.24
+        model.config._attn_implementation = "eager"
+    return model

@@ -19,22 +19,12 @@ from fuselm.generation import FusedKVCache
 from fuselm.patching import decode
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import rel_err
-from tests.models import FUSED_LAYERS, tiny_model, token_ids
+from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
 
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 PADS = (4, 1, 0)  # left padding of the three rows
 NEW = 4  # prefill, then 3 decode steps
 MAX_LEN = 32
-
-
-def decode_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A tiny model of ``name`` whose head_dim decode_attention supports (64; Phi-3 and Llama 2 derive it)."""
-    sizes = {"hidden_size": 256} if name in ("phi3", "llama2") else {"head_dim": 64}
-    model = tiny_model(name, dtype=dtype, **sizes)
-    model.generation_config.eos_token_id = None
-    if name == "gemma2":  # HF's sdpa attention drops Gemma 2's logit soft-capping before transformers 5.24
-        model.config._attn_implementation = "eager"
-    return model
 
 
 def left_padded(prompt: int) -> tuple[torch.Tensor, torch.Tensor]:

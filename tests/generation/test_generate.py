@@ -1,0 +1,316 @@
+"""fuselm.generate and a patched model's generate against HF's generate on the same unpatched model.
+
+Greedy tokens and logits for every family with fused layers on both paths (left padding, rows of different
+lengths, more new tokens than the prompt, sliding-window prompts longer than the window, eos inside the batch);
+HF's logits processors and warpers on the loop's own logits; seeded sampling; the streamer; fallbacks to HF with
+their warning; bad input; no host sync inside a decode step; on a GPU, the CUDA-graph path.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import fuselm
+from fuselm.generation import engine as engine_module
+from fuselm.generation.api import engine_of
+from fuselm.generation.options import read_options
+from fuselm.patching.modules import FusedDecoderLayer
+from tests.conftest import HAS_CUDA
+from tests.helpers import rel_err
+from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
+from tests.patching.test_decode import CACHE_ARG
+
+PADS = (3, 0, 1)  # rows of 8, 11 and 10 real tokens
+PROMPT = 11
+NEW = 13  # more new tokens than the prompt
+
+
+def left_padded(pads=PADS, prompt=PROMPT, seed=7):
+    ids = token_ids(len(pads), prompt, seed=seed)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, **kwargs):
+    """HF's own generate on the unpatched model, on fuselm's reference ops (unpatched: HF's ops)."""
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+
+
+def fused_generate(model, ids, mask, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the loop ran
+        return fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **kwargs)
+
+
+def eos_inside(model, ids, mask) -> int:
+    """A token greedy decoding emits early in row 0 (but not at its first step), to stop that row mid-batch."""
+    tokens = hf_generate(model, ids, mask, max_new_tokens=6, do_sample=False)[0, PROMPT:].tolist()
+    return tokens[3]
+
+
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_greedy_tokens_and_logits_match_hf(name, path):
+    """The whole loop (prefill, decode steps, the first-call setup) against HF, with eos inside the batch; the
+    model is patched for the call only."""
+    model = decode_model(name)
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    asked = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos, return_dict_in_generate=True,
+                 output_logits=True)
+    expected = hf_generate(model, ids, mask, **asked)
+    out = fused_generate(model, ids, mask, **asked)
+    assert not any(isinstance(m, FusedDecoderLayer) for m in model.modules())  # unpatched again
+    assert torch.equal(out.sequences, expected.sequences)
+    assert (out.sequences[0, PROMPT:] == eos).any()  # row 0 stopped inside the batch
+    assert len(out.logits) == len(expected.logits) == out.sequences.shape[1] - PROMPT
+    for step, (got, want) in enumerate(zip(out.logits, expected.logits)):
+        assert rel_err(got, want) <= 1e-5, f"step {step}"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_patched_model_generate_runs_the_loop(name):
+    """A patched model's own generate takes fuselm's loop (and its second call reuses the bucket), with HF's
+    tokens; with a cache passed in, HF's own loop runs."""
+    model = decode_model(name)
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False)
+    fuselm.patch(model)
+    with mock.patch.object(engine_module.DecodeEngine, "run", autospec=True,
+                           side_effect=engine_module.DecodeEngine.run) as run:
+        for _ in range(2):
+            assert torch.equal(hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False), expected)
+        assert run.call_count == 2
+        assert list(engine_of(model)._buckets) == [4]  # three rows padded to the bucket of four
+        cache = fuselm.generation.FusedKVCache(model, 3, 64)
+        cache.plan(mask)
+        out = hf_generate(model, ids, mask, max_new_tokens=4, do_sample=False, **{CACHE_ARG: cache})
+        assert run.call_count == 2
+    assert torch.equal(out, expected[:, :PROMPT + 4])
+
+
+def test_static_cache_generate_still_works_on_a_patched_model():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                           disable_compile=True)
+    with fuselm.patched(model):
+        out = hf_generate(model, ids, mask, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                          disable_compile=True)
+    assert torch.equal(out, expected)
+
+
+def test_processors_match_hf_on_the_loops_logits():
+    """Repetition penalty, min_new_tokens, temperature, top-k and top-p: the loop's scores are HF's processors and
+    warpers applied to the loop's raw logits and its tokens so far; greedy with the penalty gives HF's tokens."""
+    model = decode_model("qwen2")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    greedy = dict(max_new_tokens=8, do_sample=False, repetition_penalty=1.7, eos_token_id=eos, min_new_tokens=5)
+    assert torch.equal(fused_generate(model, ids, mask, **greedy), hf_generate(model, ids, mask, **greedy))
+    sampled = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=9, top_p=0.8, repetition_penalty=1.3,
+                   return_dict_in_generate=True, output_scores=True, output_logits=True)
+    out = fused_generate(model, ids, mask, **sampled)
+    processors = [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(9),
+                  TopPLogitsWarper(0.8)]
+    for step, (raw, scores) in enumerate(zip(out.logits, out.scores)):
+        expected = raw
+        for processor in processors:
+            expected = processor(out.sequences[:, :PROMPT + step], expected)
+        assert torch.equal(scores.isinf(), expected.isinf()), f"step {step}"
+        finite = expected.isfinite()
+        assert rel_err(scores[finite], expected[finite]) <= 1e-6
+        assert scores.isfinite().gather(1, out.sequences[:, PROMPT + step, None]).all()  # a kept token is drawn
+
+
+def test_sampling_is_seeded():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    asked = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(fused_generate(model, ids, mask, **asked))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    top1 = fused_generate(model, ids, mask, max_new_tokens=10, do_sample=True, top_k=1)
+    assert torch.equal(top1, hf_generate(model, ids, mask, max_new_tokens=10, do_sample=False))
+
+
+def test_streamer_gets_the_prompt_then_each_token():
+    class Collect:
+        def __init__(self):
+            self.values, self.ended = [], False
+
+        def put(self, value):
+            self.values.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    model = decode_model("mistral")
+    ids = token_ids(1, 7, seed=5)
+    streamer = Collect()
+    out = fused_generate(model, ids, None, max_new_tokens=6, do_sample=False, streamer=streamer)
+    assert torch.equal(out, hf_generate(model, ids, None, max_new_tokens=6, do_sample=False))
+    assert streamer.ended and torch.equal(streamer.values[0], ids.cpu())
+    assert torch.equal(torch.cat(streamer.values[1:]), out[0, 7:].cpu())
+
+
+def test_max_length_counts_the_prompt():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    assert torch.equal(fused_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False),
+                       hf_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False))
+
+
+@pytest.mark.parametrize("case", ["beams", "processor", "head_dim", "training", "right_padding"])
+def test_fallbacks_warn_and_give_hfs_result(case):
+    model = tiny_model("llama", head_dim=24) if case == "head_dim" else decode_model("llama")
+    ids, mask = left_padded()
+    asked = dict(max_new_tokens=4, do_sample=False)
+    if case == "beams":
+        asked["num_beams"] = 2
+    if case == "processor":
+        from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+
+        asked["logits_processor"] = LogitsProcessorList([MinLengthLogitsProcessor(15, eos_token_id=2)])
+    if case == "training":
+        model.train()
+    if case == "right_padding":
+        mask = mask.flip(-1)
+    expected = hf_generate(model, ids, mask, **asked)
+    with pytest.warns(UserWarning, match="fuselm.generate: .*running model.generate instead"):
+        out = fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked)
+    assert torch.equal(out, expected)
+
+
+def test_bad_input_names_the_argument():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    with pytest.raises(TypeError, match="model"):
+        fuselm.generate("gpt2", ids)
+    with pytest.raises(TypeError, match="input_ids"):
+        fuselm.generate(model, ids.float())
+    with pytest.raises(TypeError, match="input_ids"):
+        fuselm.generate(model, ids[0])
+    with pytest.raises(ValueError, match="attention_mask"):
+        fuselm.generate(model, ids, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        fuselm.generate(model, ids, attention_mask=mask, max_new_tokens=-1)
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that read a device value back to the host."""
+
+    READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_decode_step_never_syncs(name):
+    """What a CUDA graph captures: the whole step, sampling with every processor on, reads nothing back."""
+    model = decode_model(name)
+    fuselm.patch(model)
+    ids, mask = left_padded()
+    engine = engine_of(model)
+    out = fused_generate(model, ids, mask, max_new_tokens=2, do_sample=True, top_k=5, top_p=0.9,
+                         repetition_penalty=1.2, min_new_tokens=2, eos_token_id=2, output_scores=True,
+                         return_dict_in_generate=True)
+    bucket = engine._buckets[4]
+    options = read_options(model, PROMPT, None, dict(max_new_tokens=2, do_sample=True, top_k=5,
+                                                                      top_p=0.9, repetition_penalty=1.2,
+                                                                      min_new_tokens=2, eos_token_id=2))
+    with HostSyncs() as syncs:
+        engine._decode_step(bucket, options)
+    assert syncs.seen == [] and out.sequences.shape == (3, PROMPT + 2)
+
+
+def test_engine_is_freed_with_the_model():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    fuselm.patch(model)
+    fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    engine = engine_of(model)
+    del model
+    gc.collect()
+    with pytest.raises(RuntimeError, match="freed"):
+        engine.model  # noqa: B018
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3"])
+def test_graph_path_in_bf16(name):
+    """bf16 on the GPU: the graph replays (one capture serves two calls); the first steps' tokens agree with HF
+    eager and the logits stay within HF's own bf16-vs-fp32 error (times a margin for the different kernels)."""
+    model = decode_model(name, torch.bfloat16)
+    ids, mask = left_padded()
+    asked = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    hf = hf_generate(model, ids, mask, **asked)
+    fp32 = hf_generate(decode_model(name), ids, mask, **asked)
+    fuselm.patch(model)
+    for _ in range(2):
+        out = fused_generate(model, ids, mask, **asked)
+    assert engine_of(model).captures == 1
+    assert torch.equal(out.sequences[:, :PROMPT + 2], hf.sequences[:, :PROMPT + 2])
+    hf_error = rel_err(hf.logits[0], fp32.logits[0])
+    assert rel_err(out.logits[0], fp32.logits[0]) <= 3 * hf_error + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_decode_step_profile_names_fuselm_ops():
+    model = decode_model("llama", torch.bfloat16)
+    fuselm.patch(model)
+    ids, mask = left_padded()
+    fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    engine = engine_of(model)
+    bucket = engine._buckets[4]
+    options = read_options(model, PROMPT, None, dict(max_new_tokens=3, do_sample=False))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        engine._decode_step(bucket, options)
+    names = {event.name for event in profile.events()}
+    assert {"fuselm::qkv_rope", "fuselm::decode_attention", "fuselm::linear_residual",
+            "fuselm::norm_gated_linear"} <= names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_no_memory_growth_over_many_steps():
+    """1000 decode steps over varying batch sizes and prompt lengths: memory after the first round of buckets
+    stays flat."""
+    model = decode_model("llama", torch.bfloat16)
+    fuselm.patch(model)
+    shapes = [(1, 5), (3, 9), (2, 17), (1, 30)]
+    for batch, prompt in shapes:  # every bucket and cache made once
+        fused_generate(model, token_ids(batch, prompt), None, max_new_tokens=40, do_sample=False)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for round_ in range(6):
+        for batch, prompt in shapes:
+            fused_generate(model, token_ids(batch, prompt, seed=round_), None, max_new_tokens=40, do_sample=False)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
