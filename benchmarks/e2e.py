@@ -1,9 +1,17 @@
-"""End to end on one GPU: a Llama-3-8B-shaped model (random weights, bf16): unpatched, fuselm.patch,
-and (when liger-kernel imports) Liger-Kernel's ``apply_liger_kernel_to_llama`` on a fresh copy.
+"""Generation end to end on one GPU: a Llama-3-8B-shaped model (random weights, bf16), greedy, every impl in one run.
 
-Measures prefill latency, greedy-decode throughput and one LoRA training step (PEFT, r=16 on all
-seven projections): time and peak memory. Each time is ``timing.median_ms``: the median of CUDA-event
-timings after warm-up. Writes benchmarks/results/e2e-h200.json (or --out).
+impls: ``fuselm.generate``; ``fuselm+hf_generate`` (a patched model's own ``generate``); ``eager`` (unpatched HF);
+``compile_static`` (unpatched HF with ``cache_implementation="static"``, which auto-compiles the decode step);
+``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama`` on a fresh copy, last: it patches transformers' classes).
+
+Rows (``benchmarks/results/e2e-h200.json``):
+- ``generate``: tok/s = batch x new / the median time of whole ``generate`` calls (prompt, prefill included),
+  with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``;
+- ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1;
+- ``first_call_s``: the first call of a batch bucket (fuselm: warm-up, autotune, capture; compile_static: its
+  compilation), s;
+- ``launches_per_layer``: GPU kernels per decoder layer in one decode step, (kernels of a 4-layer model - kernels
+  of a 2-layer one) / 2, counted with torch.profiler.
 """
 
 from __future__ import annotations
@@ -12,160 +20,183 @@ import argparse
 import datetime
 import gc
 import json
-from collections.abc import Callable
+import time
 
-import peft
 import torch
 import transformers
 import triton
-from timing import median_ms
+from timing import copy_gbps, median_ms
 
 import fuselm
+from fuselm.generation.api import engine_of
+from fuselm.generation.options import read_options
 
-
-def peak_gib(fn: Callable[[], object]) -> float:
-    if not torch.cuda.is_available():
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
+SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+             num_key_value_heads=8)
+SMOKE_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
 
 def build(layers: int, smoke: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                 num_key_value_heads=8)
-    if smoke:  # a tiny model, to check this script on a machine without a GPU
-        shape = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-    config = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
-                         rms_norm_eps=1e-5, attn_implementation="sdpa")
+    config = LlamaConfig(**(SMOKE_SHAPE if smoke else SHAPE), num_hidden_layers=layers, max_position_embeddings=16384,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
+    model.generation_config.eos_token_id = None  # random weights: every call runs its full length
+    model.generation_config.pad_token_id = 0
     return model.eval()
 
 
-def last_logits(model, prompt: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of the last 8 positions of the first 512 prompt tokens."""
-    with torch.no_grad():
-        return model(prompt[:, :512]).logits[0, -8:].float()
+def call(model, impl: str, prompt: torch.Tensor, new: int):
+    asked = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if impl == "fuselm.generate":
+        return fuselm.generate(model, prompt, **asked)
+    if impl == "compile_static":
+        return model.generate(prompt, cache_implementation="static", **asked)
+    return model.generate(prompt, **asked)
 
 
-def fp32_logits(model, prompt: torch.Tensor) -> torch.Tensor:
-    """:func:`last_logits` of the unpatched model with its parameters in fp32 (bf16 -> fp32 -> bf16
-    is lossless). Parameters only: ``model.float()`` would also round-trip buffers that HF keeps
-    in fp32, e.g. RoPE's inv_freq, through bf16."""
-    dtype = next(model.parameters()).dtype
-    for param in model.parameters():
-        param.data = param.data.float()
-    logits = last_logits(model, prompt)
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return logits
+def step_bytes(model, batch: int, context: int) -> int:
+    """HBM bytes one decode step must read: every weight but the embedding table (one row of it), plus each row's
+    keys and values over ``context`` positions."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * context * batch
+    return weights + kv
 
 
-def measure(model, label: str, prompt: torch.Tensor, ids: torch.Tensor, decode_new: int) -> dict:
-    from peft import LoraConfig, get_peft_model
+def kernels_per_step(model, impl: str, batch: int, prompt_len: int) -> int:
+    """GPU kernels of one decode step (eager, not replayed: the graph replays the same kernels)."""
+    prompt = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=model.device)
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if impl == "fuselm.generate":
+        call(model, impl, prompt, 2)
+        engine = engine_of(model)
+        bucket = engine._buckets[batch]
+        options = read_options(model, prompt_len, None, dict(max_new_tokens=2, min_new_tokens=2, do_sample=False))
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as profile:
+            engine._decode_step(bucket, options)
+            torch.cuda.synchronize()
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities) as profile:
+                model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+                torch.cuda.synchronize()
+    return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
-    model.eval()
-    out = {"logits": last_logits(model, prompt)}
-    with torch.no_grad():
-        out["prefill_ms"] = median_ms(lambda: model(prompt, logits_to_keep=1, use_cache=False), min_repeats=5)
-        short = prompt[:, :512]
-        generate = lambda: model.generate(short, max_new_tokens=decode_new, min_new_tokens=decode_new,  # noqa: E731
-                                          do_sample=False)
-        out["decode_tok_s"] = decode_new / (median_ms(generate, min_repeats=3) / 1e3)
-    lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    lora.train()
 
-    def step():
-        lora(input_ids=ids, labels=ids).loss.backward()
+def launches_per_layer(impl: str, batch: int, smoke: bool) -> float:
+    counts = []
+    for layers in (4, 2):
+        model = build(layers, smoke)
+        if impl == "fuselm.generate":
+            fuselm.patch(model)
+        counts.append(kernels_per_step(model, impl, batch, 64))
+        del model
+        gc.collect()
+    return (counts[0] - counts[1]) / 2
 
-    out["lora_ms"] = median_ms(step, min_repeats=3)
-    out["lora_tok_s"] = ids.numel() / (out["lora_ms"] / 1e3)
-    out["lora_peak_gib"] = peak_gib(step)
-    lora.zero_grad(set_to_none=True)
-    lora.unload()  # remove the LoRA layers, back to the plain model
-    print(f"{label}: prefill {out['prefill_ms']:.1f} ms, decode {out['decode_tok_s']:.1f} tok/s, "
-          f"LoRA {out['lora_tok_s']:.0f} tok/s {out['lora_peak_gib']:.1f} GiB", flush=True)
-    return out
+
+def measure(model, impl: str, args, rows: list, copy: float) -> None:
+    vocab = model.config.vocab_size
+    tokens = torch.Generator().manual_seed(0)
+    timed = dict(warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)  # calls of a second or more
+    for batch in args.batches:
+        prompt = torch.randint(3, vocab, (batch, args.prompt), generator=tokens).to(model.device)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        start = time.perf_counter()
+        call(model, impl, prompt, args.new)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        rows.append({"what": "first_call_s", "impl": impl, "batch": batch, "prompt": args.prompt, "new": args.new,
+                     "s": time.perf_counter() - start})
+        ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, args.new), **timed)
+        tok_s = batch * args.new / (ms / 1e3)
+        steps_s = args.new / (ms / 1e3)
+        moved = step_bytes(model, batch, args.prompt + args.new // 2)
+        rows.append({"what": "generate", "impl": impl, "batch": batch, "prompt": args.prompt, "new": args.new,
+                     "tok_per_s": tok_s, "gbps": moved * steps_s / 1e9, "copy_fraction": moved * steps_s / 1e9 / copy,
+                     "formula": f"gbps = (weights {step_bytes(model, batch, 0) / 1e9:.2f} GB + KV at mean context "
+                                f"{args.prompt + args.new // 2}) x steps/s; steps/s = new / call time"})
+        print(f"{impl:>20} B{batch:<3} generate {tok_s:8.1f} tok/s ({moved * steps_s / 1e9:6.0f} GB/s, "
+              f"{moved * steps_s / 1e9 / copy:.0%} of copy)", flush=True)
+    for prefill in args.prefills:
+        prompt = torch.randint(3, vocab, (1, prefill), generator=tokens).to(model.device)
+        ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
+        rows.append({"what": "prefill", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms})
+        print(f"{impl:>20} prefill B1x{prefill}: {ms:.1f} ms", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--prefill", type=int, default=2048)
-    parser.add_argument("--lora-tokens", type=int, default=4096)
-    parser.add_argument("--decode-new", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prefills", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--impls", nargs="+", default=["fuselm.generate", "fuselm+hf_generate", "eager",
+                                                        "compile_static", "liger"])
     parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    copy = copy_gbps() if cuda else float("nan")
+    rows: list[dict] = []
     model = build(args.layers, args.smoke)
-    tokens = torch.Generator().manual_seed(0)  # the same prompt and training ids for both measurements
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=tokens).to(model.device)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.lora_tokens), generator=tokens).to(model.device)
-    exact = fp32_logits(model, prompt)  # what both bf16 runs approximate
-    base = measure(model, "unpatched", prompt, ids, args.decode_new)
-    report = fuselm.patch(model)
-    print(report, flush=True)
-    fused = measure(model, "patched", prompt, ids, args.decode_new)
-    liger = None
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-    except ImportError:
-        print("liger-kernel does not import: no Liger column", flush=True)
-    else:  # last: Liger also swaps classes and functions inside transformers' llama module
-        del model
-        gc.collect()  # nothing of the patched model (or PEFT's leftovers) may stay allocated into the Liger peak
-        torch.cuda.empty_cache()
-        if torch.cuda.is_available():
-            print(f"allocated before the Liger copy: {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
-        model = build(args.layers, args.smoke)
-        apply_liger_kernel_to_llama(model=model)
+    order = [i for i in ("eager", "compile_static", "fuselm.generate", "fuselm+hf_generate") if i in args.impls]
+    for impl in order:
+        if impl.startswith("fuselm"):
+            fuselm.patch(model)
+        measure(model, impl, args, rows, copy)
+    del model
+    gc.collect()
+    if "liger" in args.impls:
         try:
-            liger = measure(model, "liger", prompt, ids, args.decode_new)
-        except RuntimeError as error:  # e.g. no GPU for its kernels: report fuselm's results regardless
-            print(f"Liger run failed, no Liger column: {error}", flush=True)
-    error = {name: ((run["logits"] - reference).norm() / reference.norm()).item()
-             for name, run, reference in [("patched vs unpatched", fused, base["logits"]),
-                                          ("unpatched vs fp32", base, exact), ("patched vs fp32", fused, exact)]
-             + ([("liger vs fp32", liger, exact)] if liger else [])}
-
-    def row(what, key, fmt, higher_is_better):
-        ratio = fused[key] / base[key] if higher_is_better else base[key] / fused[key]
-        return {"what": what, "unpatched": fmt.format(base[key]), "patched": fmt.format(fused[key]),
-                "ratio": f"{ratio:.2f}× {'faster' if ratio >= 1 else 'slower'}" if "GiB" not in what
-                else f"{fused[key] / base[key]:.2f}× memory",
-                "liger": fmt.format(liger[key]) if liger else "—"}
-
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError:
+            print("liger-kernel does not import: no liger rows", flush=True)
+        else:
+            if cuda:
+                torch.cuda.empty_cache()
+            model = build(args.layers, args.smoke)
+            apply_liger_kernel_to_llama(model=model)
+            measure(model, "liger", args, rows, copy)
+            del model
+            gc.collect()
+    if cuda:
+        for impl in ("eager", "fuselm.generate"):
+            for batch in args.batches:
+                value = launches_per_layer(impl, batch, args.smoke)
+                rows.append({"what": "launches_per_layer", "impl": impl, "batch": batch, "prompt": 64, "new": 1,
+                             "value": value})
+                print(f"{impl:>20} B{batch:<3} kernels per layer per decode step: {value:.1f}", flush=True)
     results = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", "torch": torch.__version__,
-        "triton": triton.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention",
-        "rows": [
-            row(f"prefill B1×{args.prefill} (ms)", "prefill_ms", "{:.1f}", False),
-            row(f"greedy decode B1, prompt 512, {args.decode_new} new (tok/s)", "decode_tok_s", "{:.1f}", True),
-            row(f"LoRA r16 step, 7 projections, {args.lora_tokens} tokens (tok/s)", "lora_tok_s", "{:.0f}", True),
-            row(f"LoRA step peak memory (GiB), {args.lora_tokens} tokens", "lora_peak_gib", "{:.1f}", False),
-        ],
-        "logits_rel_error": error,
-        "patch_report": str(report),
-        "notes": "Relative error of the last 8 positions' logits (512-token prompt): "
-                 + ", ".join(f"{name} {value:.2e}" for name, value in error.items())
-                 + " (fp32: the unpatched model with its parameters in fp32). "
-                 "fuselm.patch fuses the norms, RoPE, the MLP activation, the residual adds and the training "
-                 "loss (linear cross-entropy); projections and attention are still HF's.",
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+        "triton": triton.__version__, "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
+        "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, prompt "
+                 f"{args.prompt}, {args.new} new tokens",
+        "rows": rows,
     }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    for r in results["rows"]:
-        print(f"{r['what']:<60} {r['unpatched']:>10} {r['patched']:>10}  {r['ratio']:<14} Liger {r['liger']}")
+    print(f"\ncopy {copy:.0f} GB/s")
+    for row in rows:
+        if row["what"] == "generate":
+            print(f"generate  {row['impl']:>20} B{row['batch']:<3} {row['tok_per_s']:9.1f} tok/s  "
+                  f"{row['copy_fraction']:.0%} of copy")
+    for row in rows:
+        if row["what"] != "generate":
+            value = row.get("ms", row.get("s", row.get("value")))
+            print(f"{row['what']:<18} {row['impl']:>20} B{row['batch']:<3} prompt {row['prompt']:<5} {value:.2f}")
 
 
 if __name__ == "__main__":

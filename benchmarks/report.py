@@ -77,6 +77,45 @@ def e2e_section(results: dict) -> list[str]:
     return lines + ["", results.get("notes", "")]
 
 
+GENERATE_IMPLS = ("fuselm.generate", "fuselm+hf_generate", "eager", "compile_static", "liger")
+
+
+def generate_section(results: dict) -> list[str]:
+    """The generation table of e2e-h200.json: tok/s (and share of copy bandwidth) per batch, time to first token,
+    first call, kernels per layer."""
+    rows = results["rows"]
+    impls = [i for i in GENERATE_IMPLS if any(r["impl"] == i for r in rows)]
+
+    def cell(what: str, impl: str, batch: int | None = None, prompt: int | None = None) -> str:
+        for r in rows:
+            if (r["what"], r["impl"]) == (what, impl) and batch in (None, r["batch"]) and prompt in (None, r["prompt"]):
+                if what == "generate":
+                    return f"{r['tok_per_s']:.0f} ({r['copy_fraction']:.0%})"
+                return f"{r.get('ms', r.get('s', r.get('value'))):.1f}"
+        return "—"
+
+    lines = ["## Generation (`benchmarks/e2e.py`)", "",
+             f"{results['gpu']}; torch {results['torch']}, triton {results['triton']}, transformers "
+             f"{results['transformers']}; {results['model']}; copy {results['copy_gbps']:.0f} GB/s; {results['date']}.",
+             "", "| measurement | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
+    batches = sorted({r["batch"] for r in rows if r["what"] == "generate"})
+    for batch in batches:
+        lines.append(f"| generate B{batch}, tok/s (share of copy) | "
+                     + " | ".join(cell("generate", i, batch) for i in impls) + " |")
+    for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill"}):
+        lines.append(f"| time to first token B1×{prompt}, ms | "
+                     + " | ".join(cell("prefill", i, 1, prompt) for i in impls) + " |")
+    for batch in batches:
+        lines.append(f"| first call B{batch}, s | " + " | ".join(cell("first_call_s", i, batch) for i in impls) + " |")
+    for batch in sorted({r["batch"] for r in rows if r["what"] == "launches_per_layer"}):
+        lines.append(f"| kernels per layer per decode step, B{batch} | "
+                     + " | ".join(cell("launches_per_layer", i, batch) for i in impls) + " |")
+    formula = next((r["formula"] for r in rows if r["what"] == "generate"), "")
+    return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
+                    "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
+                    "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step."]
+
+
 def _layer_step_cell(row: dict, key: str, fmt: str) -> str:
     return "error" if "error" in row else format(row[key], fmt)
 
@@ -124,9 +163,12 @@ def main() -> None:
     kernels = RESULTS / "kernels-h200.json"
     if kernels.exists():
         out += kernel_section(json.loads(kernels.read_text())) + [""]
-    e2e = RESULTS / "e2e-h200.json"
-    if e2e.exists():
-        out += e2e_section(json.loads(e2e.read_text())) + [""]
+    train = RESULTS / "train-h200.json"
+    if train.exists():
+        out += e2e_section(json.loads(train.read_text())) + [""]
+    generation = RESULTS / "e2e-h200.json"
+    if generation.exists():
+        out += generate_section(json.loads(generation.read_text())) + [""]
     decode = RESULTS / "decode-h200.json"
     if decode.exists():
         out += decode_section(json.loads(decode.read_text())) + [""]
