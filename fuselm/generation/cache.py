@@ -157,12 +157,14 @@ class FusedKVLayer(CacheLayerMixin):
         forward that started on an empty cache: the states themselves, with a [B, 1, T, T] mask)."""
         self._check_states(key_states, value_states)
         new = key_states.shape[2]
+        if self._host.fresh:  # every row's ends is new: the step's slots are 0 .. new - 1 in every row
+            self.keys[:, :, :new].copy_(key_states)
+            self.values[:, :, :new].copy_(value_states)
+            return key_states, value_states
         slots = self._ends.unsqueeze(1) - new + torch.arange(new, device=self.device, dtype=self._ends.dtype)
         slots = slots.long()  # [B, T]; with the [B, 1] rows, one [B, T] grid of (row, slot) pairs
         self.keys[self._rows, :, slots] = key_states.transpose(1, 2)  # each (row, slot) takes a [Hkv, D] slice
         self.values[self._rows, :, slots] = value_states.transpose(1, 2)
-        if self._host.fresh:
-            return key_states, value_states
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -142,9 +142,19 @@ class DecodeEngine:
         return out.logits[:, -1, :].float()
 
     def _decode_step(self, bucket: _Bucket, options: DecodeOptions) -> None:
-        """One decode step on the bucket's buffers: the model over each row's last token, then the choice."""
-        state = bucket.state
-        logits = self._forward(state.tokens, state.positions, bucket.cache, None)
+        """One decode step on the bucket's buffers: the model over each row's last token, then the choice.
+
+        Every layer takes the fused step (``model_reason`` checked it), which never reads HF's attention mask, so
+        the mask HF builds is built the sdpa way: with ``eager`` attention HF makes it with host-to-device copies,
+        which a CUDA graph cannot capture."""
+        state, config = bucket.state, self.model.config
+        implementation = config._attn_implementation
+        if implementation == "eager":
+            config._attn_implementation = "sdpa"
+        try:
+            logits = self._forward(state.tokens, state.positions, bucket.cache, None)
+        finally:
+            config._attn_implementation = implementation
         state.choose(logits, options)
         state.advance_positions()
 
