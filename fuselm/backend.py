@@ -10,16 +10,36 @@ overridden for one block of code by :func:`use_backend`:
   imported; the kernels then run in Triton's interpreter (slow; how CPU-only CI checks them).
 
 Names are case-insensitive and may carry surrounding blanks, in the environment variable and in the
-functions alike. Scope: the backend is process-wide, :func:`use_backend` included. It cannot be per thread:
-a backward pass (and gradient checkpointing's recomputation of the forward) runs on autograd's own worker
-threads, which must take the path the forward took; a thread-local (or ``contextvars``) switch is not seen
-there, so a recomputed forward would save other tensors than the first and checkpointing would fail.
+functions alike.
+
+Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, which every thread sees.
+:func:`use_backend` overrides it in the current thread only, so two threads can run under different
+backends at once; a thread started inside a block starts from the default (asyncio tasks of one thread
+share its block). The override follows the work into autograd:
+
+- A backward pass needs no backend: a Triton forward records its own autograd node, whose backward runs
+  the Triton backward kernels, and a reference forward records torch's nodes. Backward takes the forward's
+  path wherever and under whatever backend it runs.
+- Gradient checkpointing recomputes the forward during backward, on autograd's threads: on CUDA a worker
+  thread per device, not the thread that called ``backward()``. Python's thread-locals and ``contextvars``
+  are not seen there, so the override is also kept in torch's own thread-local state
+  (``at::ThreadLocalState``), which autograd copies from the thread that calls ``backward()`` into its
+  workers (as it does grad mode and autocast). A recomputation therefore runs under the backend in force
+  where ``backward()`` is called: call it inside the forward's block (or with the same default), as a
+  training step does. torch's checkpoint keeps little of the forward's state (RNG, autocast, a
+  ``torch.device`` block, its ``context_fn``'s contexts), so a backward called under another backend recomputes on that
+  backend's path, which non-reentrant checkpointing refuses (it saves other tensors).
+
+The override lives in a ``threading.local`` rather than a ``ContextVar``: torch.compile traces an
+attribute read of the former and guards on its value (a compiled function is traced again under another
+backend), and cannot trace ``ContextVar.get``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -41,30 +61,63 @@ def _validated(name: object) -> str:
     return normalised
 
 
-_backend = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")
+_default = _validated(os.environ.get("FUSELM_BACKEND", "").strip() or "auto")  # the process-wide backend
+
+
+class _ThreadState(threading.local):
+    override: str | None = None  # this thread's innermost use_backend name (a class default: no per-thread set-up)
+
+
+_thread = _ThreadState()
+_TORCH_TLS_KEY = "fuselm.backend.override"  # the same name in torch's thread-local state, which autograd hands on
+
+
+@torch.compiler.assume_constant_result  # torch.compile cannot trace the read; it reads it once, at tracing time
+def _handed_over() -> str | None:
+    """The override in torch's thread-local state: this thread's own, or on an autograd worker thread the
+    override of the thread that called ``backward()`` (module docstring)."""
+    return torch._C._get_obj_in_tls(_TORCH_TLS_KEY) if torch._C._is_key_in_tls(_TORCH_TLS_KEY) else None
 
 
 def get_backend() -> str:
-    """The backend in force: 'auto', 'triton' or 'reference'."""
-    return _backend
+    """The backend in force in this thread: 'auto', 'triton' or 'reference' (its :func:`use_backend`
+    override, else the process-wide default)."""
+    # the thread-local first: torch.compile guards on it (autograd's worker threads have none, torch's state has it)
+    return _thread.override or _handed_over() or _default
 
 
 def set_backend(name: str) -> None:
-    """Set the backend for every op in this process (overrides ``FUSELM_BACKEND``)."""
-    global _backend
-    _backend = _validated(name)
+    """Set the process-wide default backend (overrides ``FUSELM_BACKEND``), seen by every thread.
+
+    An active :func:`use_backend` block keeps its own backend until it exits.
+    """
+    global _default
+    _default = _validated(name)
+
+
+def _set_override(thread_override: str | None, torch_override: str | None) -> None:
+    _thread.override = thread_override
+    if torch_override is None:
+        if torch._C._is_key_in_tls(_TORCH_TLS_KEY):
+            torch._C._remove_obj_from_tls(_TORCH_TLS_KEY)
+    else:
+        torch._C._stash_obj_in_tls(_TORCH_TLS_KEY, torch_override)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...`` (process-wide, see the
-    module docstring); the previous backend is restored when the block exits. Blocks nest."""
-    previous = get_backend()
-    set_backend(name)
+    """Run a block under another backend: ``with fuselm.use_backend("reference"): ...``.
+
+    The override holds in the current thread only (and in autograd's work for a ``backward()`` called
+    inside the block, module docstring); other threads keep theirs. Blocks nest.
+    """
+    name = _validated(name)
+    outer = _thread.override, _handed_over()
+    _set_override(name, name)
     try:
         yield
     finally:
-        set_backend(previous)
+        _set_override(*outer)
 
 
 def runs_triton(*tensors: torch.Tensor) -> bool:
@@ -73,7 +126,7 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
     The first tensor decides (the callers have already checked that all share device and dtype).
     """
     x = tensors[0]
-    backend = _backend
+    backend = get_backend()
     if backend == "reference":
         return False
     if backend == "auto":
