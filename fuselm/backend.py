@@ -32,7 +32,9 @@ share its block). The override follows the work into autograd:
 
 The override lives in a ``threading.local`` rather than a ``ContextVar``: torch.compile traces an
 attribute read of the former and guards on its value (a compiled function is traced again under another
-backend), and cannot trace ``ContextVar.get``.
+backend), and cannot trace ``ContextVar.get``. Nor can it trace the read of torch's thread-local state:
+compiled code sees the thread's own block and the default, so a compiled region recomputed by eager
+checkpointing on a CUDA worker thread takes the default.
 """
 
 from __future__ import annotations
@@ -70,20 +72,24 @@ class _ThreadState(threading.local):
 
 _thread = _ThreadState()
 _TORCH_TLS_KEY = "fuselm.backend.override"  # the same name in torch's thread-local state, which autograd hands on
+_tls_has, _tls_get = torch._C._is_key_in_tls, torch._C._get_obj_in_tls
 
 
-@torch.compiler.assume_constant_result  # torch.compile cannot trace the read; it reads it once, at tracing time
 def _handed_over() -> str | None:
     """The override in torch's thread-local state: this thread's own, or on an autograd worker thread the
     override of the thread that called ``backward()`` (module docstring)."""
-    return torch._C._get_obj_in_tls(_TORCH_TLS_KEY) if torch._C._is_key_in_tls(_TORCH_TLS_KEY) else None
+    return _tls_get(_TORCH_TLS_KEY) if _tls_has(_TORCH_TLS_KEY) else None
 
 
 def get_backend() -> str:
     """The backend in force in this thread: 'auto', 'triton' or 'reference' (its :func:`use_backend`
     override, else the process-wide default)."""
-    # the thread-local first: torch.compile guards on it (autograd's worker threads have none, torch's state has it)
-    return _thread.override or _handed_over() or _default
+    override = _thread.override  # torch.compile guards on this read
+    # autograd's worker threads have no thread-local override but torch's state has it. torch.compile cannot
+    # trace that read and must not bake one thread's value into a graph every thread runs: it skips it.
+    if override is None and not torch.compiler.is_compiling() and _tls_has(_TORCH_TLS_KEY):
+        override = _tls_get(_TORCH_TLS_KEY)
+    return override or _default
 
 
 def set_backend(name: str) -> None:
@@ -98,7 +104,7 @@ def set_backend(name: str) -> None:
 def _set_override(thread_override: str | None, torch_override: str | None) -> None:
     _thread.override = thread_override
     if torch_override is None:
-        if torch._C._is_key_in_tls(_TORCH_TLS_KEY):
+        if _tls_has(_TORCH_TLS_KEY):
             torch._C._remove_obj_from_tls(_TORCH_TLS_KEY)
     else:
         torch._C._stash_obj_in_tls(_TORCH_TLS_KEY, torch_override)
