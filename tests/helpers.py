@@ -1,4 +1,7 @@
-"""Shared checks: relative error against a float64 reference, with NaN never passing."""
+"""Shared checks: relative error against a float64 reference, with NaN never passing; a torch thread."""
+
+import functools
+import threading
 
 import torch
 
@@ -52,3 +55,47 @@ def assert_compiles_like_eager(fn, args, leaves) -> None:
     upstream = torch.randn_like(eager)
     for i, (got, expected) in enumerate(zip(grads(compiled, leaves, upstream), grads(eager, leaves, upstream))):
         assert_close(got, expected, torch.float32, f"gradient of leaf {i}")
+
+
+# on_a_torch_thread's route: TorchScript's fork runs a function on torch's inter-op pool through at::launch,
+# which copies the caller's at::ThreadLocalState into the pool thread; an ignored function runs the Python task.
+_PENDING = []
+
+
+@torch.jit.ignore
+def _run_pending(x: torch.Tensor) -> torch.Tensor:
+    _PENDING.pop()()
+    return x
+
+
+def _pending_task(x: torch.Tensor) -> torch.Tensor:
+    return _run_pending(x)
+
+
+def _fork_pending(x: torch.Tensor) -> torch.Tensor:
+    return torch.jit.wait(torch.jit.fork(_pending_task, x))
+
+
+@functools.cache
+def _scripted_fork():
+    return torch.jit.script(_fork_pending)
+
+
+def on_a_torch_thread(task):
+    """Runs ``task()`` on a thread of torch's inter-op pool, which torch hands the caller's
+    ``at::ThreadLocalState`` but not its Python thread-locals: what autograd's worker threads (on CUDA, one
+    per device) get from the thread calling backward(). Returns that thread's id; re-raises its error."""
+    outcome = {}
+
+    def run():
+        outcome["thread"] = threading.get_ident()
+        try:
+            task()
+        except BaseException as error:  # handed back to the caller's thread below
+            outcome["error"] = error
+
+    _PENDING.append(run)
+    _scripted_fork()(torch.zeros(1))
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["thread"]

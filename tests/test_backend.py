@@ -3,7 +3,6 @@ into autograd (a backward takes the forward's path; a checkpointed recomputation
 backend in force where backward() is called), and torch.compile guarding on it."""
 
 import collections
-import functools
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import fuselm
 from fuselm import backend
 from fuselm.ops import rms_norm as rms_norm_module
-from tests.helpers import assert_close, float64_leaf, randn
+from tests.helpers import assert_close, float64_leaf, on_a_torch_thread, randn
 
 
 @pytest.fixture
@@ -161,48 +160,6 @@ def _expected_calls(path, forwards):
     return {"triton forward": forwards, "triton backward": 2} if path == "triton" else {"reference forward": forwards}
 
 
-_TASK = []  # the callable _run_task runs, handed over by _on_a_torch_thread
-
-
-@torch.jit.ignore
-def _run_task(x: torch.Tensor) -> torch.Tensor:
-    _TASK.pop()()
-    return x
-
-
-def _forked_task(x: torch.Tensor) -> torch.Tensor:
-    return _run_task(x)
-
-
-def _fork_and_wait(x: torch.Tensor) -> torch.Tensor:
-    return torch.jit.wait(torch.jit.fork(_forked_task, x))
-
-
-@functools.cache
-def _scripted_fork():
-    return torch.jit.script(_fork_and_wait)
-
-
-def _on_a_torch_thread(task):
-    """Runs ``task()`` on a thread of torch's inter-op pool, which torch hands the caller's
-    ``at::ThreadLocalState`` but not its Python thread-locals: what autograd's worker threads (on CUDA, one
-    per device) get from the thread calling backward(). Returns that thread's id; re-raises its error."""
-    outcome = {}
-
-    def run():
-        outcome["thread"] = threading.get_ident()
-        try:
-            task()
-        except BaseException as error:  # handed back to the caller's thread below
-            outcome["error"] = error
-
-    _TASK.append(run)
-    _scripted_fork()(torch.zeros(1))
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["thread"]
-
-
 @pytest.mark.parametrize("forward_path", ["triton", "reference"])
 def test_backward_takes_the_forwards_path_on_another_thread_under_another_backend(device, calls, forward_path):
     x, weight = randn(3, 40, device=device, requires_grad=True), randn(40, device=device, requires_grad=True)
@@ -243,7 +200,7 @@ def test_checkpoint_recomputes_under_the_block_backward_is_called_in(device, cal
         if backward_thread == "caller":  # on CUDA autograd's device threads run it; on CPU this thread
             backward()
         else:
-            assert _on_a_torch_thread(backward) != threading.get_ident()
+            assert on_a_torch_thread(backward) != threading.get_ident()
             assert seen["override"] is None  # the thread had none of the block's Python state
     assert dict(calls) == _expected_calls(block, forwards=4)  # 2 in the forward, 2 recomputed
     for got, expected, name in zip((x.grad, weight.grad), _expected_grads(x, weight, upstream), ("x", "weight")):
