@@ -1,11 +1,11 @@
-"""Shared checks: relative error against a float64 reference, with NaN never passing; a torch thread."""
+"""Shared checks: relative error against a float64 reference, with NaN never passing; a thread like autograd's."""
 
-import functools
 import threading
 
 import torch
 
 import fuselm
+from fuselm import backend
 
 # ‖out − ref‖ / ‖ref‖ that each dtype must reach against a float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -57,45 +57,28 @@ def assert_compiles_like_eager(fn, args, leaves) -> None:
         assert_close(got, expected, torch.float32, f"gradient of leaf {i}")
 
 
-# on_a_torch_thread's route: TorchScript's fork runs a function on torch's inter-op pool through at::launch,
-# which copies the caller's at::ThreadLocalState into the pool thread; an ignored function runs the Python task.
-_PENDING = []
-
-
-@torch.jit.ignore
-def _run_pending(x: torch.Tensor) -> torch.Tensor:
-    _PENDING.pop()()
-    return x
-
-
-def _pending_task(x: torch.Tensor) -> torch.Tensor:
-    return _run_pending(x)
-
-
-def _fork_pending(x: torch.Tensor) -> torch.Tensor:
-    return torch.jit.wait(torch.jit.fork(_pending_task, x))
-
-
-@functools.cache
-def _scripted_fork():
-    return torch.jit.script(_fork_pending)
-
-
-def on_a_torch_thread(task):
-    """Runs ``task()`` on a thread of torch's inter-op pool, which torch hands the caller's
-    ``at::ThreadLocalState`` but not its Python thread-locals: what autograd's worker threads (on CUDA, one
-    per device) get from the thread calling backward(). Returns that thread's id; re-raises its error."""
+def on_a_worker_like_thread(task):
+    """Runs ``task()`` on a new thread holding what autograd's worker threads (on CUDA, one per device) hold of
+    the caller's state: torch's thread-local state with the caller's fuselm backend block in it (the engine
+    copies the ``at::ThreadLocalState`` of the thread calling backward() into them), and none of its Python
+    thread-locals. A CPU backward has no such thread (it runs on the caller), so the copy is made here by hand.
+    Returns that thread's id; re-raises its error."""
+    handed_over = backend._handed_over()
     outcome = {}
 
     def run():
         outcome["thread"] = threading.get_ident()
+        backend._set_override(None, handed_over)
         try:
             task()
         except BaseException as error:  # handed back to the caller's thread below
             outcome["error"] = error
+        finally:
+            backend._set_override(None, None)
 
-    _PENDING.append(run)
-    _scripted_fork()(torch.zeros(1))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["thread"]

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import fuselm
 from fuselm import backend
 from fuselm.ops import rms_norm as rms_norm_module
-from tests.helpers import assert_close, float64_leaf, on_a_torch_thread, randn
+from tests.helpers import assert_close, float64_leaf, on_a_worker_like_thread, randn
 
 
 @pytest.fixture
@@ -104,6 +104,15 @@ def test_use_backend_blocks_nest_and_restore(device, restore_default):
     assert fuselm.get_backend() == "triton"
 
 
+def test_a_block_left_by_an_exception_restores_the_outer_backend(restore_default):
+    fuselm.set_backend("reference")
+    with fuselm.use_backend("auto"):
+        with pytest.raises(RuntimeError, match="inside"), fuselm.use_backend("triton"):
+            raise RuntimeError("inside")
+        assert (fuselm.get_backend(), backend._thread.override, backend._handed_over()) == ("auto", "auto", "auto")
+    assert (fuselm.get_backend(), backend._thread.override, backend._handed_over()) == ("reference", None, None)
+
+
 def test_compiled_code_follows_the_backend_it_is_called_under(device, restore_default):
     """torch.compile guards on the thread's block and the default: a function traced under one backend is
     traced again under another, not run with the first one's path."""
@@ -180,12 +189,13 @@ def test_backward_takes_the_forwards_path_on_another_thread_under_another_backen
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("backward_thread", ["caller", "torch thread"])
+@pytest.mark.parametrize("backward_thread", ["caller", "worker-like thread"])
 @pytest.mark.parametrize(("default", "block"), [("reference", "triton"), ("triton", "reference")])
 def test_checkpoint_recomputes_under_the_block_backward_is_called_in(device, calls, restore_default, default, block,
                                                                     backward_thread, reentrant):
-    """The GPU failure of a thread-local switch, reproduced on CPU: the recomputation runs on a thread without
-    the block's Python thread-locals, and must still take the block's path, not the default's."""
+    """The GPU failure of a thread-local switch: the recomputation runs on a thread without the block's Python
+    thread-locals, and must still take the block's path, not the default's. On CUDA the caller's backward()
+    runs there (autograd's device threads); on CPU a worker-like thread stands in."""
     fuselm.set_backend(default)
     x, weight = randn(3, 40, device=device, requires_grad=True), randn(40, device=device, requires_grad=True)
     upstream = randn(3, 40, device=device)
@@ -197,10 +207,10 @@ def test_checkpoint_recomputes_under_the_block_backward_is_called_in(device, cal
 
     with fuselm.use_backend(block):
         out = checkpoint(_two_norms, x, weight, use_reentrant=reentrant)
-        if backward_thread == "caller":  # on CUDA autograd's device threads run it; on CPU this thread
+        if backward_thread == "caller":
             backward()
         else:
-            assert on_a_torch_thread(backward) != threading.get_ident()
+            assert on_a_worker_like_thread(backward) != threading.get_ident()
             assert seen["override"] is None  # the thread had none of the block's Python state
     assert dict(calls) == _expected_calls(block, forwards=4)  # 2 in the forward, 2 recomputed
     for got, expected, name in zip((x.grad, weight.grad), _expected_grads(x, weight, upstream), ("x", "weight")):
