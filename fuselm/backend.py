@@ -12,23 +12,22 @@ overridden for one block of code by :func:`use_backend`:
 Names are case-insensitive and may carry surrounding blanks, in the environment variable and in the
 functions alike.
 
-Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, which every thread sees.
-:func:`use_backend` overrides it in the current thread only, so two threads can run under different
-backends at once; a thread started inside a block starts from the default (asyncio tasks of one thread
-share its block). The override follows the work into autograd:
+Scope: ``FUSELM_BACKEND`` and :func:`set_backend` set the process-wide default, seen by every thread.
+:func:`use_backend` overrides it in the current thread only: two threads can run under different backends
+at once, a thread started inside a block starts from the default, asyncio tasks of one thread share its
+blocks. In autograd:
 
-- A backward pass needs no backend: a Triton forward records its own autograd node, whose backward runs
-  the Triton backward kernels, and a reference forward records torch's nodes. Backward takes the forward's
-  path wherever and under whatever backend it runs.
-- Gradient checkpointing recomputes the forward during backward, on autograd's threads: on CUDA a worker
-  thread per device, not the thread that called ``backward()``. Python's thread-locals and ``contextvars``
-  are not seen there, so the override is also kept in torch's own thread-local state
-  (``at::ThreadLocalState``), which autograd copies from the thread that calls ``backward()`` into its
-  workers (as it does grad mode and autocast). A recomputation therefore runs under the backend in force
-  where ``backward()`` is called: call it inside the forward's block (or with the same default), as a
-  training step does. torch's checkpoint keeps little of the forward's state (RNG, autocast, a
-  ``torch.device`` block, its ``context_fn``'s contexts), so a backward called under another backend recomputes on that
-  backend's path, which non-reentrant checkpointing refuses (it saves other tensors).
+- A backward pass needs no backend: a Triton forward records its own autograd node, whose backward runs the
+  Triton backward kernels, and a reference forward records torch's nodes. Backward takes the forward's path
+  on whatever thread, under whatever backend, it runs.
+- Gradient checkpointing recomputes the forward inside backward, on CUDA on autograd's device threads,
+  where Python's thread-locals and ``contextvars`` are not seen. So a block is also kept in torch's own
+  thread-local state (``at::ThreadLocalState``), which autograd copies from the thread calling
+  ``backward()`` into its workers, as it does autocast. A recomputation thus runs under the backend in
+  force where ``backward()`` is called: call it inside the forward's block, as a training step does.
+  (Of the forward's state, torch.utils.checkpoint restores only RNG, autocast, a ``torch.device`` block
+  and its ``context_fn``'s contexts: a backward called under another backend recomputes on that one's
+  path, which non-reentrant checkpointing refuses, as it saved other tensors.)
 
 The override lives in a ``threading.local`` rather than a ``ContextVar``: torch.compile traces an
 attribute read of the former and guards on its value (a compiled function is traced again under another
