@@ -40,7 +40,8 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 MAX_QUERIES = 16  # T per call: decode (1), speculative or chunked steps
 LENGTH_DTYPES = (torch.int32, torch.int64)
 # Split count: about PROGRAMS_PER_SM programs per SM for the launch, each split at least
-# MIN_SPLIT_POSITIONS cache slots of L, at most MAX_SPLITS splits per (row, kv head).
+# MIN_SPLIT_POSITIONS cache slots of L, at most MAX_SPLITS splits per (row, kv head); no split once the
+# (row, kv head) units alone give every SM one (H200, B = 32 x 4k: 94.5 % of copy unsplit, 88 % at two).
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_POSITIONS = 256
 MAX_SPLITS = 64
@@ -275,7 +276,8 @@ def _row_block(n_rows: int, head_dim: int) -> int:
 
 def _num_splits(batch: int, n_kv_heads: int, row_blocks: int, cache_len: int, sms: int) -> int:
     """Splits per (row, kv head, row block): a function of static shapes only, never of the lengths."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, max(batch * n_kv_heads * row_blocks, 1))
+    units = max(batch * n_kv_heads * row_blocks, 1)
+    wanted = 1 if units >= sms else triton.cdiv(PROGRAMS_PER_SM * sms, units)
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(cache_len, MIN_SPLIT_POSITIONS)))
 
 

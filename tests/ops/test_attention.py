@@ -164,7 +164,8 @@ def test_the_split_count_depends_on_static_shapes_only():
         "batch", "n_kv_heads", "row_blocks", "cache_len", "sms"]
     llama_batch1 = attention._num_splits(1, 8, 1, 32768, 132)
     assert llama_batch1 * 8 >= 132  # B = 1: enough splits to give every SM a program
-    assert attention._num_splits(32, 8, 1, 4096, 132) <= 2  # B = 32: the batch fills the GPU already
+    assert attention._num_splits(32, 8, 1, 4096, 132) == 1  # B = 32: the batch fills the GPU already
+    assert attention._num_splits(8, 8, 1, 4096, 132) == 5  # 64 units: about two programs per SM
     assert attention._num_splits(1, 8, 1, 100, 132) == 1  # a short buffer is not cut up
     assert attention._num_splits(1, 1, 1, 10**6, 10**4) == attention.MAX_SPLITS
 
