@@ -516,7 +516,8 @@ def run(model_name: str, *, device: torch.device, phases: tuple[str, ...] = PHAS
             raise ArgumentError(f"{option} {path}: the folder {path.parent} does not exist")
     cut_layers = layers // 2
     if not cuda:
-        console.print(f"no CUDA GPU: counting on {device.type} the ops that would launch GPU kernels "
+        where = "no CUDA GPU" if not torch.cuda.is_available() else f"device {device}"
+        console.print(f"{where}: counting on {device.type} the ops that would launch GPU kernels "
                       f"({path_name(device)}); no GPU times, bytes or bounds")
     with console.status("building the model …"):
         model = build(config, weights, layers, device, dtype)
