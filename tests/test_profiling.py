@@ -2,9 +2,12 @@
 counts (interpreter), one-line errors for bad arguments; on a GPU, the times and bounds."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.console import Console
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import fuselm
@@ -96,10 +99,90 @@ def test_busy_time_merges_overlapping_kernels():
     assert profiling.busy_and_window_us(launches) == (17.0, 25.0)
 
 
+def _event(name, device_type, id_=0, linked=0, parent=None, span=(0.0, 0.0), annotation=False):
+    return SimpleNamespace(name=name, device_type=device_type, id=id_, linked_correlation_id=linked, cpu_parent=parent,
+                           time_range=SimpleNamespace(start=span[0], end=span[1]), is_user_annotation=annotation)
+
+
+def test_device_launches_take_the_kind_of_the_op_that_launched_them():
+    """A CUDA profile's kernels, linked to their CPU ops by correlation id (the fused op above an aten op wins);
+    GPU-side user annotations are not kernels."""
+    fused = _event("fuselm::add_rms_norm", DeviceType.CPU, id_=1)
+    inner = _event("aten::empty", DeviceType.CPU, id_=2, parent=fused)
+    mean = _event("aten::mean", DeviceType.CPU, id_=3)
+    events = [fused, inner, mean,
+              _event("void at::native::reduce_kernel<512>", DeviceType.CUDA, linked=3, span=(10.0, 14.0)),
+              _event("_rms_norm_fwd_kernel", DeviceType.CUDA, linked=1, span=(15.0, 16.0)),
+              _event("vectorized_elementwise_kernel<fill>", DeviceType.CUDA, linked=2, span=(16.0, 17.0)),
+              _event("Memset (Device)", DeviceType.CUDA, linked=99, span=(18.0, 18.5)),
+              _event("step", DeviceType.CUDA, span=(0.0, 20.0), annotation=True)]
+    assert profiling.device_launches(events) == [
+        profiling.Launch("void at::native::reduce_kernel<512>", "elementwise", 10.0, 14.0),
+        profiling.Launch("_rms_norm_fwd_kernel", "norms", 15.0, 16.0),
+        profiling.Launch("vectorized_elementwise_kernel<fill>", "norms", 16.0, 17.0),
+        profiling.Launch("Memset (Device)", "other", 18.0, 18.5)]
+
+
+def test_gpu_rows_and_table_from_launches(tiny_dir):
+    """The CUDA row and table, from made-up launches: 2 layers against 1, 2 steps."""
+    def launches(per_layer, layers, steps):
+        made, clock = [], 0.0
+        for _ in range(steps):
+            for kind in ["projections"] + ["elementwise"] * (per_layer * layers) + ["loss"]:
+                made.append(profiling.Launch(kind, kind, clock, clock + 1.0))
+                clock += 2.0  # as long idle as busy
+        return profiling.Profiled(made, steps)
+
+    row = profiling.summarise(launches(3, 2, 2), launches(3, 1, 2), 2, 1, cuda=True)
+    assert (row["launches_per_layer"], row["launches_outside_layers"], row["launches_per_step"]) == (3, 2, 8)
+    assert row["gpu_ms_by_kind"] == pytest.approx({**dict.fromkeys(profiling.KINDS, 0.0), "projections": 1e-3,
+                                                   "elementwise": 6e-3, "loss": 1e-3})
+    assert row["busy_ms"] == pytest.approx(8e-3) and row["busy_us_per_layer"] == pytest.approx(3.0)
+    assert row["idle_share"] == pytest.approx(1 - 16 / 31)  # 16 µs busy from the first start to the last end
+    model = profiling.build(*profiling.resolve(tiny_dir), 2, torch.device("cpu"), torch.float32)
+    ceilings = {"copy_gbps": 1000.0, "gemm_tflops": 100.0}
+    rows = [{**row, "phase": "decode", "impl": impl, "bound": profiling.bound(model, "decode", 1, 8, 2, 2, ceilings)}
+            for impl in ("unpatched", "patched")]
+    for r in rows:
+        r["bound"]["pct_of_bound"] = 100 * r["bound"]["ms"] / r["window_ms"]
+    console = Console(record=True, width=200)
+    console.print(profiling.table({"ceilings": ceilings, "prompt": 8, "batch": 1, "layers": 2, "rows": rows}, "decode"))
+    text = console.export_text()
+    for label, _ in profiling.metrics(cuda=True):
+        assert label in text
+
+
+def test_decode_bound_counts_every_weight_once_and_the_kv_cache(tiny_dir):
+    model = profiling.build(*profiling.resolve(tiny_dir), 2, torch.device("cpu"), torch.float32)
+    config = model.config
+    batch, prompt, steps = 3, 8, 2
+    bound = profiling.bound(model, "decode", batch, prompt, steps, 2, {"copy_gbps": 1.0})
+    weights = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size  # no embedding
+    context = prompt + profiling.WARMUP_STEPS + (steps + 1) / 2
+    kv = 2 * 2 * batch * (context + 1) * config.num_key_value_heads * config.head_dim  # read + the new slot
+    assert bound["amount"] == pytest.approx(4 * (weights + kv))  # fp32
+    assert bound["ms"] == pytest.approx(bound["amount"] / 1e9 * 1e3)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "train"])
+def test_flop_bound_counts_the_projections_causal_attention_and_the_lm_head(tiny_dir, phase):
+    model = profiling.build(*profiling.resolve(tiny_dir), 2, torch.device("cpu"), torch.float32)
+    config = model.config
+    batch, prompt = 2, 8
+    bound = profiling.bound(model, phase, batch, prompt, 1, 2, {"gemm_tflops": 1.0})
+    layer_weights = sum(p.numel() for p in model.get_decoder().layers.parameters() if p.dim() == 2)
+    pairs = 2 * prompt * (prompt + 1) // 2  # two layers
+    logits_rows = batch if phase == "prefill" else batch * prompt
+    forward = (2 * batch * prompt * layer_weights + 4 * batch * pairs * config.num_attention_heads * config.head_dim
+               + 2 * logits_rows * config.hidden_size * config.vocab_size)
+    assert bound["amount"] == (forward if phase == "prefill" else 3 * forward)
+
+
 # ----------------------------------------------------------------------------------------- the command on CPU
 def test_cpu_profile_prints_the_message_the_table_and_writes_the_json(tiny_dir, tmp_path, capsys):
     path = tmp_path / "profile.json"
-    assert main(["profile", tiny_dir, *TINY, "--device", "cpu", "--json", str(path)]) == 0
+    trace = tmp_path / "trace.json"
+    assert main(["profile", tiny_dir, *TINY, "--device", "cpu", "--json", str(path), "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     where = "device cpu" if HAS_CUDA else "no CUDA GPU"
@@ -124,6 +207,10 @@ def test_cpu_profile_prints_the_message_the_table_and_writes_the_json(tiny_dir, 
         assert sum(row["launches_by_kind"].values()) == row["launches_per_step"] > 0
         assert row["launches_per_layer"] > 0
         assert row["launches_per_step"] == pytest.approx(2 * row["launches_per_layer"] + row["launches_outside_layers"])
+    for phase in profiling.PHASES:
+        for impl in ("unpatched", "patched"):
+            events = json.loads((tmp_path / f"trace-{phase}-{impl}.json").read_text())["traceEvents"]
+            assert any(event.get("name") == "aten::mm" for event in events)
     unpatched = {row["phase"]: row for row in result["rows"] if row["impl"] == "unpatched"}
     assert unpatched["train"]["launches_per_layer"] > unpatched["prefill"]["launches_per_layer"]  # + the backward
 
