@@ -222,7 +222,10 @@ def _fused_op(event) -> str | None:
 
 def device_launches(events) -> list[Launch]:
     """Every kernel, memcpy and memset of a CUDA profile, with the kind of the torch op it was launched from."""
-    ops = {event.id: event for event in events if event.device_type == DeviceType.CPU}
+    # torch ops (no link of their own); a kernel's linked id is its op's id (the CUDA runtime's CPU-side events,
+    # cudaLaunchKernel & co., carry a link and ids from another counter)
+    ops = {event.id: event for event in events
+           if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
     launches = []
     for event in events:
         if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
@@ -371,6 +374,8 @@ def profile_phase(model: nn.Module, phase: str, batch: int, prompt: int, steps: 
     prepare()
     for _ in range(WARMUP_STEPS):
         step()
+    if cuda:
+        torch.cuda.synchronize()  # no warm-up kernel runs into the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     named = _named_interpreter_launches() if INTERPRETING and not cuda else contextlib.nullcontext()
     with named, profile(activities=activities) as prof:
@@ -379,6 +384,7 @@ def profile_phase(model: nn.Module, phase: str, batch: int, prompt: int, steps: 
         if cuda:
             torch.cuda.synchronize()
     model.eval()
+    model.zero_grad(set_to_none=True)  # train's gradients: freed for the next run
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = prof.events()
