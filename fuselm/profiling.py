@@ -570,10 +570,10 @@ def run(model_name: str, *, device: torch.device, phases: tuple[str, ...] = PHAS
         "steps": steps, "warmup_steps": WARMUP_STEPS, "torch": torch.__version__, "fuselm": fuselm.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": ceilings, "kinds": list(KINDS), "rows": rows,
-        "method": ("launches per layer = (launches per step at `layers` − at `layers_compared`) / (their "
-                   "difference); outside layers = per step − layers × per layer; GPU ms by kind and idle share: "
-                   "the whole step at `layers`; idle share = 1 − (time any kernel ran) / (first kernel start to last "
-                   "kernel end)" if cuda else
+        "method": ("launches: the kernels, memcpys and memsets the GPU ran; per layer = (launches per step at "
+                   "`layers` − at `layers_compared`) / (their difference); outside layers = per step − layers × "
+                   "per layer; GPU ms by kind and idle share: the whole step at `layers`; idle share = 1 − (time "
+                   "any kernel ran) / (first kernel start to last kernel end)" if cuda else
                    "no CUDA: launches are the innermost computing aten ops and the Triton launches, counted on the "
                    "CPU; per layer = (per step at `layers` − at `layers_compared`) / (their difference)"),
     }

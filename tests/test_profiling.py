@@ -117,7 +117,8 @@ def test_device_launches_take_the_kind_of_the_op_that_launched_them():
               _event("Memset (Device)", DeviceType.CUDA, linked=98, span=(18.0, 18.5)),
               _event("aten::mm", DeviceType.CPU, id_=99),
               _event("cudaLaunchKernel", DeviceType.CPU, id_=99, linked=7),  # a runtime call: ids of another counter
-              _event("void at::native::vectorized_elementwise_kernel<copy>", DeviceType.CUDA, linked=99, span=(19.0, 19.5)),
+              _event("void at::native::vectorized_elementwise_kernel<copy>", DeviceType.CUDA, linked=99,
+                     span=(19.0, 19.5)),
               _event("step", DeviceType.CUDA, span=(0.0, 20.0), annotation=True)]
     assert profiling.device_launches(events) == [
         profiling.Launch("void at::native::reduce_kernel<512>", "elementwise", 10.0, 14.0),
