@@ -168,10 +168,9 @@ def run_script(script: Path, arguments: list[str]) -> int:
     return child.returncode
 
 
-def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> int:
     from fuselm import profiling
 
-    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         profiling.run(args.model, device=device, phases=tuple(dict.fromkeys(args.phase or profiling.PHASES)),
                       batch=args.batch, prompt=args.prompt, layers=args.layers, steps=args.steps,
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     try:
         if args.command == "profile":
-            return _profile(command, args)
+            return _profile(command, args, device)
         from fuselm import demo
 
         ok = demo.run(device, args.layers, args.batch, args.seq, args.new_tokens, args.runs)

@@ -6,7 +6,9 @@ at its full ``layers`` and cut to its first ``layers // 2`` (the same weights). 
 autotuning) run first, outside the profiler; then ``steps`` steps are profiled and every figure is per step.
 
 - **Launches per decoder layer** = (launches at L layers − launches at K layers) / (L − K): what each layer adds,
-  whatever the embedding, the final norm, the lm_head and the loss launch (``outside layers`` = the rest).
+  whatever the embedding, the final norm, the lm_head and the loss launch (``outside layers`` = the rest). In
+  models whose layers alternate kinds (sliding and full attention), both counts should hold every kind (e.g.
+  ``--layers 4`` for Gemma 2), else the difference also takes in the work HF does once per kind (masks, RoPE).
 - **GPU time by op kind**: each kernel's time, per step at L layers, by the kind of op that launched it
   (its name, or the torch op it was launched from): projections (GEMM/GEMV, fused projection kernels),
   attention, norms (fused or ``aten`` norm ops; an unfused norm's pow/mean/rsqrt/mul count as elementwise),
