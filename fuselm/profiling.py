@@ -565,7 +565,8 @@ def run(model_name: str, *, device: torch.device, phases: tuple[str, ...] = PHAS
                         row["bound"]["pct_of_bound"] = 100 * row["bound"]["ms"] / row["window_ms"]
                     rows.append(row)
     result = {
-        "model": model_name, "model_class": type(model).__name__, "layers": layers, "layers_compared": cut_layers,
+        "model": model_name, "config_from": MODELS[model_name].source if model_name in MODELS else model_name,
+        "model_class": type(model).__name__, "layers": layers, "layers_compared": cut_layers,
         "hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "random_weights": weights is None,
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None, "dtype": str(dtype),
         "ops_path": path_name(device), "backend": fuselm.get_backend(), "batch": batch, "prompt": prompt,

@@ -201,8 +201,8 @@ def test_cpu_profile_prints_the_message_the_table_and_writes_the_json(tiny_dir, 
     assert labels == 3 * [label.strip() for label, _ in profiling.metrics(cuda=False)]
 
     result = json.loads(path.read_text())
-    assert {"model", "layers", "layers_compared", "device", "gpu", "dtype", "ops_path", "backend", "batch", "prompt",
-            "steps", "torch", "date", "ceilings", "kinds", "rows", "method"} <= result.keys()
+    assert {"model", "config_from", "layers", "layers_compared", "device", "gpu", "dtype", "ops_path", "backend",
+            "batch", "prompt", "steps", "torch", "date", "ceilings", "kinds", "rows", "method"} <= result.keys()
     assert (result["layers"], result["layers_compared"], result["gpu"], result["ceilings"]) == (2, 1, None, None)
     assert [(row["phase"], row["impl"]) for row in result["rows"]] == [
         (phase, impl) for impl in ("unpatched", "patched") for phase in profiling.PHASES]
