@@ -587,6 +587,10 @@ def run(model_name: str, *, device: torch.device, phases: tuple[str, ...] = PHAS
                 if row["phase"] == phase:
                     console.print(f"  {row['impl']}: {row['bound']['formula']}", highlight=False)
     console.print(f"[dim]{result['method']}[/]", highlight=False)
+    if not cuda and result["ops_path"].startswith("PyTorch reference"):
+        console.print("[dim]the patched model ran each fused op's PyTorch reference, which is not fused (it may count "
+                      "more ops than HF's); TRITON_INTERPRET=1 FUSELM_BACKEND=triton counts its Triton launches[/]",
+                      highlight=False)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1))
         console.print(f"wrote {json_path}")
