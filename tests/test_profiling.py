@@ -193,6 +193,7 @@ def test_cpu_profile_prints_the_message_the_table_and_writes_the_json(tiny_dir, 
     where = "device cpu" if HAS_CUDA else "no CUDA GPU"
     assert lines[0] == (f"{where}: counting on cpu the ops that would launch GPU kernels (PyTorch reference (cpu)); "
                         "no GPU times, bytes or bounds")
+    assert "which is not fused" in out  # the reference path's note
     headers = [line for line in lines if line.startswith("┃")]
     assert len(headers) == 3  # one table per phase
     for header, phase in zip(headers, profiling.PHASES):
