@@ -123,6 +123,7 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
         moved = step_bytes(model, batch, args.prompt + args.new // 2)
         rows.append({"what": "generate", "impl": impl, "batch": batch, "prompt": args.prompt, "new": args.new,
                      "tok_per_s": tok_s, "gbps": moved * steps_s / 1e9, "copy_fraction": moved * steps_s / 1e9 / copy,
+                     "bytes_per_step": moved,
                      "formula": f"gbps = (weights {step_bytes(model, batch, 0) / 1e9:.2f} GB + KV at mean context "
                                 f"{args.prompt + args.new // 2}) x steps/s; steps/s = new / call time"})
         print(f"{impl:>20} B{batch:<3} generate {tok_s:8.1f} tok/s ({moved * steps_s / 1e9:6.0f} GB/s, "

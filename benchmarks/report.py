@@ -1,6 +1,13 @@
-"""Write BENCHMARKS.md from the committed GPU results (benchmarks/results/*.json).
+"""Write BENCHMARKS.md from the committed GPU results (benchmarks/results/*.json), and draw its plots.
 
     python benchmarks/report.py
+
+The plots (PNG, benchmarks/plots/, committed) need matplotlib (``pip install 'fuselm[bench]'``); without it the
+committed ones stay and BENCHMARKS.md links them. Per kernel family, from kernels-h200.json: each implementation's
+achieved GB/s (TFLOP/s for linear_cross_entropy) against the ceilings measured in the same run. From e2e-h200.json,
+rows ``{"what": "generate", "impl", "batch", "prompt", "new", "tok_per_s"}``: greedy decode tok/s per impl, against
+the bound where the file gives one (rows ``{"what": "bound", "batch", "tok_per_s"}``, or ``bound_tok_per_s`` or
+``bytes_per_step`` with the top-level ``copy_gbps`` on a generate row).
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = ROOT / "benchmarks" / "plots"
+MEMORY_BOUND = ("rms_norm", "add_rms_norm", "rope", "swiglu")  # kernel families plotted in GB/s
+IMPL_ORDER = ("fuselm", "eager", "compile", "liger")
 # "target met": fuselm's row reaches this share of the copy bandwidth measured in the same run (% of copy)
 # and is faster than the better of torch.compile and Liger-Kernel
 BANDWIDTH_TARGET = {"fwd": 90.0, "fwd+bwd": 80.0}
@@ -157,18 +167,199 @@ def decode_section(results: dict) -> list[str]:
     return lines
 
 
+def kernel_plot_path(plots: Path, kernel: str) -> Path:
+    return plots / f"kernels-{kernel}.png"
+
+
+DECODE_PLOT = "decode-tok-s.png"
+
+
+def _impl_color(impl: str) -> str:
+    """fuselm red (its variants orange), the anchors each their colour (the cuBLAS or bound reference purple)."""
+    if impl.startswith("fuselm"):
+        return "tab:red" if impl in ("fuselm", "fuselm.generate") else "tab:orange"
+    for anchor, color in (("eager", "tab:gray"), ("compile", "tab:blue"), ("liger", "tab:green")):
+        if impl.startswith(anchor):
+            return color
+    return "tab:purple"
+
+
+def _bars(axes, labels: list[str], values: list[float], x: float, width: float, texts: list[str], top: float):
+    """Bars side by side around ``x``, each with its text: inside its top, or above a short bar."""
+    for index, (label, value, text) in enumerate(zip(labels, values, texts)):
+        position = x + (index - (len(values) - 1) / 2) * width
+        axes.bar(position, value, width * 0.9, color=_impl_color(label), label=label)
+        inside = value > 0.15 * top
+        axes.annotate(text, (position, value), ha="center", va="top" if inside else "bottom", fontsize=7,
+                      color="white" if inside else "black", xytext=(0, -3 if inside else 2), textcoords="offset points")
+
+
+def _legend_below(axes, columns: int) -> None:
+    handles, labels = axes.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axes.legend(unique.values(), unique.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+                ncol=columns, frameon=False)
+
+
+def _save(figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: the file changes with the data only
+
+
+def _copy_ceiling(results: dict, kernel: str) -> tuple[float, str]:
+    """The copy bandwidth a kernel's % of copy uses: its re-run's, else the main run's; with the run's date."""
+    for rerun in results.get("reruns", []):
+        if kernel in rerun["kernels"]:
+            return rerun["copy_gbps"], rerun["date"]
+    return results["copy_gbps"], results["date"]
+
+
+def kernel_plots(results: dict, plots: Path) -> list[Path]:
+    """One PNG per kernel family: achieved GB/s of each implementation per pass, fuselm first, against the 1 GiB
+    copy ceiling (line) and the same-size copy (marks); linear_cross_entropy in TFLOP/s against the bf16 GEMM."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    rows = results["rows"]
+    for kernel in MEMORY_BOUND:
+        mine = [r for r in rows if r["kernel"] == kernel and "gbps" in r]
+        if not mine:
+            continue
+        ceiling, date = _copy_ceiling(results, kernel)
+        figure, axes = plt.subplots(figsize=(6.4, 3.6))
+        passes = list(dict.fromkeys(r["pass"] for r in mine))
+        for x, pass_ in enumerate(passes):
+            group = sorted((r for r in mine if r["pass"] == pass_),
+                           key=lambda r: IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else len(IMPL_ORDER))
+            _bars(axes, [r["impl"] for r in group], [r["gbps"] for r in group], x, 0.2,
+                  [f"{100 * r['gbps'] / ceiling:.0f}%" for r in group], ceiling)
+            same_size = group[0].get("same_size_copy_gbps")
+            if same_size:
+                axes.hlines(same_size, x - 0.45, x + 0.45, colors="black", linestyles="dotted",
+                            label="copy of the same bytes" if x == 0 else None)
+        axes.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"1 GiB copy {ceiling:.0f} GB/s")
+        axes.set_xticks(range(len(passes)), passes)
+        axes.set_ylabel("achieved GB/s (bytes counted / time)")
+        axes.set_ylim(0, ceiling * 1.1)
+        axes.set_title(f"{kernel} on {results['gpu']} ({date[:10]}): % of the copy ceiling", fontsize=10)
+        _legend_below(axes, 3)
+        path = kernel_plot_path(plots, kernel)
+        _save(figure, path)
+        plt.close(figure)
+        written.append(path)
+    ce = [r for r in rows if r["kernel"] == "linear_cross_entropy" and "tflops" in r]
+    if ce:
+        figure, axes = plt.subplots(figsize=(6.4, 3.6))
+        ceiling = results["gemm_tflops"]
+        _bars(axes, [r["impl"] for r in ce], [r["tflops"] for r in ce], 0, 1.0,
+              [f"{100 * r['tflops'] / ceiling:.0f}%" for r in ce], ceiling)
+        axes.axhline(ceiling, color="black", linestyle="--", linewidth=1,
+                     label=f"bf16 GEMM 8192³ {ceiling:.0f} TFLOP/s")
+        axes.set_xticks([index - (len(ce) - 1) / 2 for index in range(len(ce))],
+                        [r["impl"].replace(", ", ",\n") for r in ce], fontsize=7)
+        axes.set_ylabel("TFLOP/s (3 · 2·N·H·V / time)")
+        axes.set_ylim(0, ceiling * 1.1)
+        axes.set_title(f"linear_cross_entropy fwd+bwd on {results['gpu']} ({results['date'][:10]}): "
+                       "% of the GEMM ceiling", fontsize=10)
+        axes.legend([axes.lines[-1]], [axes.lines[-1].get_label()], fontsize=7, loc="lower right")
+        path = kernel_plot_path(plots, "linear_cross_entropy")
+        _save(figure, path)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def _decode_bound(results: dict, rows: list[dict], batch: int) -> float | None:
+    """Bound tok/s at ``batch``: a ``bound`` row, else a generate row's ``bound_tok_per_s`` or ``bytes_per_step``."""
+    for row in rows:
+        if row["what"] == "bound" and row.get("batch") == batch and "tok_per_s" in row:
+            return row["tok_per_s"]
+    for row in rows:
+        if row["what"] == "generate" and row["batch"] == batch:
+            if "bound_tok_per_s" in row:
+                return row["bound_tok_per_s"]
+            if "bytes_per_step" in row and "copy_gbps" in results:
+                return batch * results["copy_gbps"] * 1e9 / row["bytes_per_step"]
+    return None
+
+
+def decode_plot(results: dict, plots: Path) -> Path | None:
+    """Greedy decode tok/s per impl, one panel per (batch, prompt, new), against the bound; None (and a printed
+    line) when the file has no rows of the generate schema."""
+    rows = results.get("rows", [])
+    generate = [r for r in rows if isinstance(r, dict) and r.get("what") == "generate"
+                and {"impl", "batch", "prompt", "new", "tok_per_s"} <= r.keys()]
+    if not generate:
+        print("e2e-h200.json has no rows {what: generate, impl, batch, prompt, new, tok_per_s} (the old schema?): "
+              "no decode plot")
+        return None
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r["batch"], r["prompt"], r["new"]) for r in generate))
+    figure, panels = plt.subplots(1, len(shapes), figsize=(3.6 * len(shapes) + 1, 3.8), squeeze=False)
+    for axes, (batch, prompt, new) in zip(panels[0], shapes):
+        group = [r for r in generate if (r["batch"], r["prompt"], r["new"]) == (batch, prompt, new)]
+        bound = _decode_bound(results, rows, batch)
+        top = max([r["tok_per_s"] for r in group] + [bound or 0])
+        _bars(axes, [r["impl"] for r in group], [r["tok_per_s"] for r in group], 0, 0.8 / len(group),
+              [f"{r['tok_per_s']:.0f}" for r in group], top)
+        if bound:
+            axes.axhline(bound, color="black", linestyle="--", linewidth=1, label=f"bound {bound:.0f} tok/s")
+        axes.set_xticks([])
+        axes.set_ylim(0, top * 1.1)
+        axes.set_title(f"batch {batch}, prompt {prompt}, {new} new", fontsize=9)
+        _legend_below(axes, 2)
+    panels[0][0].set_ylabel("greedy decode tok/s")
+    figure.suptitle(f"Decode on {results.get('gpu', '?')} ({str(results.get('date', ''))[:10]})", fontsize=10)
+    path = plots / DECODE_PLOT
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
+def draw_plots(results_dir: Path = RESULTS, plots: Path = PLOTS) -> list[Path]:
+    """Redraw every plot the results allow; [] with a printed line where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'fuselm[bench]'): the plots are not redrawn")
+        return []
+    matplotlib.use("Agg")
+    plots.mkdir(parents=True, exist_ok=True)
+    written = []
+    kernels, e2e = results_dir / "kernels-h200.json", results_dir / "e2e-h200.json"
+    if kernels.exists():
+        written += kernel_plots(json.loads(kernels.read_text()), plots)
+    if e2e.exists():
+        written += filter(None, [decode_plot(json.loads(e2e.read_text()), plots)])
+    return written
+
+
+def plot_links(paths: list[Path], alt: str) -> list[str]:
+    """Markdown images for the plots that exist (committed), relative to the repository root."""
+    return [f"![{alt}: {path.stem}]({path.relative_to(ROOT).as_posix()})" for path in paths if path.exists()]
+
+
 def main() -> None:
     out = ["# Benchmarks", "", "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`, which "
            "`bash benchmarks/gpu_run.sh` writes on the GPU machine. Medians of CUDA-event timings after warm-up.", ""]
     kernels = RESULTS / "kernels-h200.json"
+    draw_plots()
     if kernels.exists():
         out += kernel_section(json.loads(kernels.read_text())) + [""]
+        families = [kernel_plot_path(PLOTS, kernel) for kernel in (*MEMORY_BOUND, "linear_cross_entropy")]
+        links = plot_links(families, "kernel")
+        if links:
+            out += ["### Plots: achieved bandwidth against the copy ceiling", "", *links, ""]
     train = RESULTS / "train-h200.json"
     if train.exists():
         out += e2e_section(json.loads(train.read_text())) + [""]
     generation = RESULTS / "e2e-h200.json"
     if generation.exists():
         out += generate_section(json.loads(generation.read_text())) + [""]
+        links = plot_links([PLOTS / DECODE_PLOT], "decode")
+        if links:
+            out += [*links, ""]
     decode = RESULTS / "decode-h200.json"
     if decode.exists():
         out += decode_section(json.loads(decode.read_text())) + [""]
