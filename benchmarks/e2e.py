@@ -151,14 +151,36 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     copy = copy_gbps() if cuda else float("nan")
     rows: list[dict] = []
+
+    def save() -> None:  # after each impl, so a failure later keeps what was measured
+        results = {
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
+            "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
+                     f"prompt {args.prompt}, {args.new} new tokens",
+            "rows": rows,
+        }
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
     model = build(args.layers, args.smoke)
     order = [i for i in ("eager", "compile_static", "fuselm.generate", "fuselm+hf_generate") if i in args.impls]
     for impl in order:
         if impl.startswith("fuselm"):
             fuselm.patch(model)
         measure(model, impl, args, rows, copy)
+        save()
     del model
     gc.collect()
+    if cuda:  # before Liger, which patches transformers' Llama classes for every later model
+        for impl in ("eager", "fuselm.generate"):
+            for batch in args.batches:
+                value = launches_per_layer(impl, batch, args.smoke)
+                rows.append({"what": "launches_per_layer", "impl": impl, "batch": batch, "prompt": 64, "new": 1,
+                             "value": value})
+                print(f"{impl:>20} B{batch:<3} kernels per layer per decode step: {value:.1f}", flush=True)
+        save()
     if "liger" in args.impls:
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -170,25 +192,9 @@ def main() -> None:
             model = build(args.layers, args.smoke)
             apply_liger_kernel_to_llama(model=model)
             measure(model, "liger", args, rows, copy)
+            save()
             del model
             gc.collect()
-    if cuda:
-        for impl in ("eager", "fuselm.generate"):
-            for batch in args.batches:
-                value = launches_per_layer(impl, batch, args.smoke)
-                rows.append({"what": "launches_per_layer", "impl": impl, "batch": batch, "prompt": 64, "new": 1,
-                             "value": value})
-                print(f"{impl:>20} B{batch:<3} kernels per layer per decode step: {value:.1f}", flush=True)
-    results = {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
-        "triton": triton.__version__, "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
-        "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, prompt "
-                 f"{args.prompt}, {args.new} new tokens",
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
     print(f"\ncopy {copy:.0f} GB/s")
     for row in rows:
         if row["what"] == "generate":
