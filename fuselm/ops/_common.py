@@ -160,6 +160,24 @@ def forced_config(kernel, index: int) -> Iterator[None]:
             kernel.configs = configs
 
 
+def on_input_device(impl):
+    """``impl`` run with its first argument's CUDA device current, so its Triton launches (which use the current
+    device and its stream) land where the tensors live: a model spread over GPUs by ``device_map="auto"`` calls
+    ops on ``cuda:1`` while ``cuda:0`` is current. CPU and meta tensors (``get_device() == -1``) need nothing.
+    When the device is already current, as on one GPU, the cost is one comparison (measured in
+    ``benchmarks/device_guard_bench.py``)."""
+
+    @functools.wraps(impl)
+    def guarded(*args):
+        index = args[0].get_device()
+        if index < 0 or index == torch.cuda.current_device():
+            return impl(*args)
+        with torch.cuda.device(index):
+            return impl(*args)
+
+    return guarded
+
+
 class FusedOp:
     """One ``fuselm::<name>`` op (torch.library custom op with a fake and, optionally, autograd).
 
@@ -167,14 +185,16 @@ class FusedOp:
     profiler records, so both see ``fuselm::<name>``; otherwise straight into ``impl``, inside a
     torch.autograd.Function running the same ``setup_context`` and ``backward``. Same arithmetic,
     without torch.library's per-call Python dispatch (~55 µs of host time per call measured on the
-    GPU machine, benchmarks/NOTES.md).
+    GPU machine, benchmarks/NOTES.md). Either way ``impl`` runs under its first argument's device
+    (:func:`on_input_device`), including inside compiled graphs, which call the registered op.
     """
 
     def __init__(self, name: str, impl, *, fake, mutates_args: tuple[str, ...] = (), setup_context=None,
                  backward=None):
-        self.impl = impl
+        schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
+        self.impl = impl = on_input_device(impl)
         self.direct = not mutates_args  # torch.library bumps mutated tensors' version counters: keep it
-        self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args)
+        self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args, schema=schema)
         self.op.register_fake(fake)
         self.autograd = None
         if backward is not None:
