@@ -232,8 +232,8 @@ class FusedDecoderLayer:
                 or (getattr(self, "gradient_checkpointing", False) and self.training)):
             return residual + branch
         norm = self.__dict__.get(NEXT_NORM)
-        if not isinstance(norm, FusedRMSNorm):
-            return residual + branch
+        if not isinstance(norm, FusedRMSNorm) or norm.weight.device != residual.device:  # device_map: next layer's
+            return residual + branch  # norm on the next GPU, where the hook moves the stream (dropping the primed)
         normed, total = norm.add_forward(branch, residual)
         setattr(total, _PRIMED, (norm, total._version, normed))
         return total
