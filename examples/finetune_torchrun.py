@@ -18,12 +18,14 @@ saves the sharded model with torch.distributed.checkpoint after training, loads 
 sharded model, and records whether every parameter came back equal. A run named ``full-sharded-head`` also gives
 the lm_head its own ``fully_shard``: its weight is then a sharded DTensor outside the lm_head's forward, so
 fuselm's fused linear cross-entropy cannot read it and the loss falls back to HF's (lm_head, then the loss on the
-logits).
+logits). A run whose name ends in ``-meta`` (FSDP2) is built, patched and sharded on the meta device, then
+materialised: FSDP2's recommended init for a model too large for one device.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -43,12 +45,17 @@ def tiny_llama_config() -> LlamaConfig:
 
 
 def build(args, run: str, device: torch.device) -> torch.nn.Module:
+    """The run's model on ``device``, patched and with LoRA as its name says; a ``-meta`` run's on the meta device
+    (its weights come later, see :func:`materialise`)."""
     torch.manual_seed(args.seed)
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(tiny_llama_config())
-    model.to(device).train()
+    with torch.device("meta") if run.endswith("-meta") else contextlib.nullcontext():
+        if args.model:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    if not run.endswith("-meta"):
+        model.to(device)
+    model.train()
     if not run.endswith("-unpatched"):
         fuselm.patch(model)
     if run.startswith("lora"):
@@ -61,6 +68,20 @@ def build(args, run: str, device: torch.device) -> torch.nn.Module:
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.05)
     return model
+
+
+def materialise(model: torch.nn.Module, args, run: str, device: torch.device) -> None:
+    """FSDP2's recommended init, for a model built, patched and sharded on the meta device: allocate each rank's
+    shards on ``device`` and fill them from the whole weights and buffers (here the same model built on the CPU;
+    a real run would take them from a checkpoint, as ``set_model_state_dict`` with ``broadcast_from_rank0``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    whole = build(args, run.removesuffix("-meta"), torch.device("cpu"))
+    model.to_empty(device=device)
+    set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():  # non-persistent buffers (RoPE's inv_freq) are in no state dict
+        for buffer, value in zip(model.buffers(), whole.buffers()):
+            buffer.copy_(value)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -125,6 +146,8 @@ FUSED_LOSS_CALLS = counting_fused_loss_calls()
 def train(args, run: str, device: torch.device, rank: int, world: int) -> dict:
     FUSED_LOSS_CALLS[0] = 0
     model = wrap(build(args, run, device), args, run, device)
+    if run.endswith("-meta"):
+        materialise(model, args, run, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     tokens = global_batch(args, device)
     if args.batch % world:
@@ -158,6 +181,8 @@ def checkpoint_round_trip(model: torch.nn.Module, args, run: str, device: torch.
     path = os.path.join(args.checkpoint, run)
     dcp.save(get_model_state_dict(model), checkpoint_id=path)
     fresh = wrap(build(args, run, device), args, run, device)
+    if run.endswith("-meta"):
+        fresh.to_empty(device=device)  # every parameter then comes from the checkpoint
     state = get_model_state_dict(fresh)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(fresh, state)
@@ -170,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parallel", choices=["none", "ddp", "fsdp2"], default="none")
     parser.add_argument("--runs", default="lora", help="comma-separated: lora, full, full-sharded-head, each "
-                                                       "optionally with -unpatched")
+                                                       "optionally with -unpatched or (FSDP2) -meta")
     parser.add_argument("--model", default=None, help="a Hugging Face checkpoint (default: a tiny random Llama)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=4, help="global batch: sequences over all ranks")

@@ -2,9 +2,10 @@
 
 examples/finetune_torchrun.py: DDP and FSDP2, LoRA and full fine-tuning of a patched tiny Llama give the losses and
 gradients of one process on the same global batch, converge in 30 steps, take fuselm's fused loss (or, with a
-sharded lm_head, fall back to HF's) and round-trip a sharded checkpoint. examples/finetune_trainer.py: HF Trainer
-under torchrun (DDP), and on two GPUs under accelerate with examples/accelerate_fsdp2.yaml (FSDP2), gives one
-process's losses and trained weights. Slow: each launch starts Python processes (~2.5 minutes in all on 2 cores).
+sharded lm_head, fall back to HF's) and round-trip a sharded checkpoint, also when built on the meta device.
+examples/finetune_trainer.py: HF Trainer under torchrun (DDP), and on two GPUs under accelerate with
+examples/accelerate_fsdp2.yaml (FSDP2), gives one process's losses and trained weights. Slow: each launch starts
+Python processes (~2.5 minutes in all on 2 cores).
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ def test_ddp_matches_one_process(single, tmp_path):
 
 def test_fsdp2_matches_one_process_and_round_trips_its_sharded_checkpoint(single, tmp_path):
     fsdp = _run(tmp_path, "fsdp2", TORCHRUN, "finetune_torchrun.py", "--steps", str(STEPS), "--parallel", "fsdp2",
-                "--runs", "lora,full,full-sharded-head", "--checkpoint", str(tmp_path / "checkpoints"))
-    for run, reference in [("lora", "lora"), ("full", "full"), ("full-sharded-head", "full")]:
+                "--runs", "lora,full,full-sharded-head,lora-meta", "--checkpoint", str(tmp_path / "checkpoints"))
+    for run, reference in [("lora", "lora"), ("full", "full"), ("full-sharded-head", "full"), ("lora-meta", "lora")]:
         _assert_matches(fsdp[run], single[reference], f"fsdp2 {run}")
         assert fsdp[run]["checkpoint_round_trip"], run
-    assert fsdp["lora"]["fused_loss_steps"] == fsdp["full"]["fused_loss_steps"] == STEPS
+    assert fsdp["lora"]["fused_loss_steps"] == fsdp["full"]["fused_loss_steps"] == fsdp["lora-meta"][
+        "fused_loss_steps"] == STEPS  # lora-meta: built, patched and sharded on the meta device, then materialised
     assert fsdp["full-sharded-head"]["fused_loss_steps"] == 0  # its lm_head's weight is sharded: HF's loss
 
 
