@@ -86,6 +86,16 @@ def sliding_windows(config: PreTrainedConfig) -> tuple[int | None, ...]:
                  for kind, kwargs in zip(layer_types, layer_kwargs, strict=True))
 
 
+def layer_devices(model: torch.nn.Module, count: int) -> list[torch.device]:
+    """Per decoder layer, the device of its parameters: where ``device_map="auto"`` (or any manual placement) put
+    it, so that its cache buffers sit beside its attention. A model whose decoder layers cannot be found, or a
+    layer without parameters, gets the model's device."""
+    layers = getattr(getattr(model, "get_decoder", lambda: None)(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != count:
+        return [model.device] * count
+    return [next(layer.parameters(), torch.empty(0, device=model.device)).device for layer in layers]
+
+
 def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:
     """One config per decoder layer: transformers >= 5.24's per-layer configs (heterogeneous models), else the
     model's own for every layer."""
@@ -200,10 +210,13 @@ class FusedKVCache(StaticCache):
         batch_size: rows B.
         max_cache_len: positions per row L, prompt plus new tokens (padding included).
         dtype: float32, float16 or bfloat16.
-        device: where the buffers live.
+        device: where the buffers live: one device, or a sequence of one per decoder layer. Default, given a model:
+            each layer's buffers on that layer's device (a model spread over GPUs by ``device_map="auto"``);
+            given a config: torch's default device.
 
     Per layer ``i``, ``buffers(i)`` is (keys, values), each [B, Hkv, L, D] in ``dtype``; ``lengths()`` is
-    (starts, ends), each [B] int32, valid slots ``starts[b] <= s < ends[b]``. Call ``plan(attention_mask)``
+    (starts, ends), each [B] int32, valid slots ``starts[b] <= s < ends[b]`` (``lengths(i)``: the copy on layer
+    ``i``'s device, when the layers are on several devices). Call ``plan(attention_mask)``
     before each new batch of prompts (``generate`` does not: a cache with tokens in it is continued).
     """
 
@@ -215,12 +228,11 @@ class FusedKVCache(StaticCache):
             dtype = dtype if dtype is not None else (config_dtype if isinstance(config_dtype, torch.dtype) else None)
             if dtype is None:
                 raise ValueError("dtype: the config names no dtype; pass dtype= (or pass the model)")
-            device = torch.device(device) if device is not None else torch.get_default_device()
+            device = device if device is not None else torch.get_default_device()
         elif isinstance(model_or_config, torch.nn.Module) and isinstance(getattr(model_or_config, "config", None),
                                                                           PreTrainedConfig):
             config = model_or_config.config
             dtype = dtype if dtype is not None else model_or_config.dtype
-            device = torch.device(device) if device is not None else model_or_config.device
         else:
             raise TypeError("model_or_config must be a transformers model or PreTrainedConfig, got "
                             f"{type(model_or_config).__name__}")
@@ -233,18 +245,25 @@ class FusedKVCache(StaticCache):
 
         config = config.get_text_config(decoder=True)
         windows = sliding_windows(config)
+        devices = _per_layer_devices(model_or_config, device, len(windows))
         # starts and ends side by side, so plan() sets both with one copy
-        self._row_lengths = torch.zeros(2, batch_size, dtype=torch.int32, device=device)
+        self._row_lengths = torch.zeros(2, batch_size, dtype=torch.int32, device=devices[0])
         self._starts, self._ends = self._row_lengths.unbind(0)
-        self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=device)  # slot offsets of a step
+        self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=devices[0])  # slot offsets of a step
         self.step_slots = self._offsets[:0].expand(batch_size, 0)
         self._host = HostFill()
+        # layers on other devices than layer 0 read copies of the lengths, refreshed after every change
+        self._mirrors = {d: torch.zeros_like(self._row_lengths, device=d) for d in dict.fromkeys(devices[1:])
+                         if d != devices[0]}
+        mirrored = {d: tuple(mirror.unbind(0)) for d, mirror in self._mirrors.items()}
+        self._layer_lengths = [mirrored.get(d, (self._starts, self._ends)) for d in devices]  # (starts, ends)
+        self._mirror_slots = {d: self.step_slots.to(d) for d in self._mirrors}
         layers = []
-        for layer_config, window in zip(layer_configs(config), windows, strict=True):
+        for layer_config, window, (_, ends) in zip(layer_configs(config), windows, self._layer_lengths, strict=True):
             kv_heads, head_dim = head_facts(layer_config)
             shape = (batch_size, kv_heads, max_cache_len, head_dim)
-            keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-            layers.append(FusedKVLayer(keys, values, self._ends, window, self._host))
+            keys, values = (torch.zeros(shape, dtype=dtype, device=ends.device) for _ in range(2))
+            layers.append(FusedKVLayer(keys, values, ends, window, self._host))
         Cache.__init__(self, layers=layers)
         if not torch.compiler.is_compiling():  # fixed addresses for compile's cudagraphs, as HF's StaticLayer marks
             for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
@@ -256,9 +275,21 @@ class FusedKVCache(StaticCache):
         layer = self.layers[layer_idx]
         return layer.keys, layer.values
 
-    def lengths(self) -> tuple[Tensor, Tensor]:
-        """(starts, ends), each [B] int32 on the cache's device: row b's valid slots are starts[b] <= s < ends[b]."""
-        return self._starts, self._ends
+    def lengths(self, layer_idx: int = 0) -> tuple[Tensor, Tensor]:
+        """(starts, ends), each [B] int32 on layer ``layer_idx``'s device: row b's valid slots are
+        starts[b] <= s < ends[b]."""
+        return self._layer_lengths[layer_idx]
+
+    def slots(self, layer_idx: int = 0) -> Tensor:
+        """The open step's slots (:meth:`advance`), [B, T] int32 on layer ``layer_idx``'s device."""
+        device = self.layers[layer_idx].device
+        return self._mirror_slots[device] if device in self._mirror_slots else self.step_slots
+
+    def _refresh_mirrors(self) -> None:
+        """The other devices' copies of the lengths and step slots, after layer 0's changed (device copies)."""
+        for device, mirror in self._mirrors.items():
+            mirror.copy_(self._row_lengths, non_blocking=True)
+            self._mirror_slots[device] = self.step_slots.to(device, non_blocking=True)
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
@@ -284,6 +315,7 @@ class FusedKVCache(StaticCache):
         if attention_mask is None:
             self._host.clear()
             self._row_lengths.zero_()
+            self._refresh_mirrors()
             return
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
@@ -299,6 +331,7 @@ class FusedKVCache(StaticCache):
         mask = attention_mask.to(self.device, non_blocking=True) != 0
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
+        self._refresh_mirrors()
 
     def advance(self, num_tokens: int) -> None:
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
@@ -306,6 +339,7 @@ class FusedKVCache(StaticCache):
         self._ends.add_(num_tokens)
         self._host.advance(num_tokens)
         self.step_slots = self._ends.unsqueeze(1) - num_tokens + self._offsets[:num_tokens]
+        self._refresh_mirrors()
 
     def open_step(self, num_tokens: int, position_ids: Tensor | None = None) -> None:
         """A fused forward's :meth:`advance`, also setting ``starts`` from the new tokens' position ids
@@ -313,7 +347,8 @@ class FusedKVCache(StaticCache):
         as HF's ``generate`` numbers positions). None keeps the planned starts. Device work only."""
         self.advance(num_tokens)
         if position_ids is not None:
-            self._starts.copy_(self._ends - 1 - position_ids[:, -1])
+            self._starts.copy_(self._ends - 1 - position_ids[:, -1].to(self._ends.device))
+            self._refresh_mirrors()
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
@@ -328,11 +363,13 @@ class FusedKVCache(StaticCache):
         super().reset()
         self._row_lengths.zero_()
         self._host.clear()
+        self._refresh_mirrors()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         super().reorder_cache(beam_idx)
         beam_idx = beam_idx.to(self.device)
         self._row_lengths.copy_(self._row_lengths.index_select(1, beam_idx))
+        self._refresh_mirrors()
 
     def early_initialization(self, batch_size: int, num_heads: int | list[int], head_dim: int | list[int],
                              dtype: torch.dtype, device) -> None:
@@ -345,3 +382,14 @@ class FusedKVCache(StaticCache):
         if wanted != held:
             raise ValueError(f"early_initialization asks for (batch, kv heads, head_dim, dtype, device) {wanted}, "
                              f"the cache holds {held}")
+
+
+def _per_layer_devices(model_or_config, device, count: int) -> list[torch.device]:
+    """``device`` for every layer, or its one-per-layer sequence checked, or (None, given a model) each layer's."""
+    if device is None:
+        return layer_devices(model_or_config, count)
+    if isinstance(device, (list, tuple)):
+        if len(device) != count:
+            raise ValueError(f"device: {len(device)} devices given for {count} decoder layers")
+        return [torch.device(d) for d in device]
+    return [torch.device(device)] * count

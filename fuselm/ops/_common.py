@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -43,10 +44,33 @@ if INTERPRETING:
     _fix_interpreter_loop_bounds()
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+LOCAL_SHARD_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul")
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a torch.distributed DTensor (FSDP2's sharded parameters, tensor parallelism), cheaply: a
+    plain tensor is not, and none exists before torch.distributed.tensor is imported."""
+    if type(t) in _PLAIN_TENSORS or t is None:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def check_not_dtensor(name: str, t: object) -> None:
+    """A TypeError naming ``name`` for a DTensor: the op works on plain tensors (the README's Multi-GPU section)."""
+    if is_dtensor(t):
+        raise TypeError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}): this fuselm op takes plain tensors; pass "
+            f"{name}.full_tensor() (or .to_local() where its shard alone is what the op should see). "
+            f"Of fuselm's ops, {', '.join(LOCAL_SHARD_OPS)} take DTensors and run on the local shards")
+
+
 def check_tensor(name: str, t: object, *, min_rank: int = 1, rank: int | None = None) -> torch.Tensor:
-    """A floating-point tensor of the given rank, or a TypeError/ValueError naming ``name``."""
+    """A floating-point plain (not D-) tensor of the given rank, or a TypeError/ValueError naming ``name``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_not_dtensor(name, t)
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if rank is not None and t.dim() != rank:
@@ -69,6 +93,7 @@ def check_same(reference_name: str, reference: torch.Tensor, **others: torch.Ten
     for name, t in others.items():
         if t is None:
             continue
+        check_not_dtensor(name, t)
         if t.device != reference.device:
             raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
         if t.dtype != reference.dtype:
@@ -77,8 +102,67 @@ def check_same(reference_name: str, reference: torch.Tensor, **others: torch.Ten
 
 def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, t in others.items():
+        check_not_dtensor(name, t)
         if t is not None and t.device != reference.device:
             raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+
+
+def _shard_dims(placements) -> set[int]:
+    return {p.dim for p in placements if p.is_shard()}
+
+
+def on_local_shards(op: Callable, lead_name: str, tensors: dict[str, torch.Tensor | None],
+                    replicated: tuple[str, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``op`` (a row-wise fuselm op: each row of the last dimension computed alone) on DTensors, through their
+    local shards: ``op(**locals)``, each output a DTensor placed as ``tensors[lead_name]``.
+
+    The lead and every other tensor not named in ``replicated`` must be DTensors of one mesh with the same global
+    shape and placements, none of them Partial or sharding the last dimension (a row must be whole on each rank);
+    those in ``replicated`` (weights) must be Replicate everywhere, or plain tensors (whole on every rank). The
+    gradient of a replicated DTensor is Partial over the mesh dimensions that shard the lead (each rank's rows add
+    theirs), so ``.full_tensor()`` or the optimiser's reduction sums the ranks'. Anything else: a ValueError or
+    TypeError naming the argument.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    lead = tensors[lead_name]
+    if not is_dtensor(lead):
+        other = next(name for name, t in tensors.items() if is_dtensor(t))
+        raise TypeError(f"{other} is a DTensor but {lead_name} is a {type(lead).__name__}: {lead_name} must be a "
+                        "DTensor too (its shards decide where the op runs)")
+    mesh, placements = lead.device_mesh, lead.placements
+    last = lead.dim() - 1
+    if any(p.is_partial() for p in placements) or last in _shard_dims(placements):
+        raise ValueError(f"{lead_name} is a DTensor placed {tuple(placements)}: fuselm runs this op on local shards "
+                         "only for Shard placements of dimensions other than the last, and Replicate")
+    local, grad_placements = {}, [Partial() if p.is_shard() else Replicate() for p in placements]
+    for name, t in tensors.items():
+        if t is None or (name in replicated and not is_dtensor(t)):
+            local[name] = t
+            continue
+        if not is_dtensor(t):
+            raise TypeError(f"{name} must be a DTensor placed as {lead_name} ({tuple(placements)}), got a plain "
+                            f"{type(t).__name__}")
+        if t.device_mesh != mesh:
+            raise ValueError(f"{name} is on device mesh {t.device_mesh} but {lead_name} on {mesh}")
+        if name in replicated:
+            if not all(p.is_replicate() for p in t.placements):
+                raise ValueError(f"{name} must be replicated (Replicate on every mesh dimension) for this op on "
+                                 f"DTensors, got placements {tuple(t.placements)}")
+            local[name] = t.to_local(grad_placements=grad_placements)
+            continue
+        if name != lead_name and (tuple(t.placements) != tuple(placements) or t.shape != lead.shape):
+            raise ValueError(f"{name} is a DTensor of shape {tuple(t.shape)} placed {tuple(t.placements)} but "
+                             f"{lead_name} of shape {tuple(lead.shape)} placed {tuple(placements)}: they must match")
+        local[name] = t.to_local()
+    outputs = op(**local)
+
+    def distributed(out: torch.Tensor) -> torch.Tensor:
+        shape = (*lead.shape[:-1], out.shape[-1])
+        return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    return distributed(outputs) if isinstance(outputs, torch.Tensor) else tuple(map(distributed, outputs))
 
 
 poison_outputs = False  # tests set this: kernel outputs start as NaN, so unwritten elements show
@@ -161,6 +245,24 @@ def forced_config(kernel, index: int) -> Iterator[None]:
             kernel.configs = configs
 
 
+def on_input_device(impl):
+    """``impl`` run with its first argument's CUDA device current, so its Triton launches (which use the current
+    device and its stream) land where the tensors live: a model spread over GPUs by ``device_map="auto"`` calls
+    ops on ``cuda:1`` while ``cuda:0`` is current. CPU and meta tensors (``get_device() == -1``) need nothing.
+    When the device is already current, as on one GPU, the cost is one comparison (measured in
+    ``benchmarks/device_guard_bench.py``)."""
+
+    @functools.wraps(impl)
+    def guarded(*args):
+        index = args[0].get_device()
+        if index < 0 or index == torch.cuda.current_device():
+            return impl(*args)
+        with torch.cuda.device(index):
+            return impl(*args)
+
+    return guarded
+
+
 class FusedOp:
     """One ``fuselm::<name>`` op (torch.library custom op with a fake and, optionally, autograd).
 
@@ -168,14 +270,16 @@ class FusedOp:
     profiler records, so both see ``fuselm::<name>``; otherwise straight into ``impl``, inside a
     torch.autograd.Function running the same ``setup_context`` and ``backward``. Same arithmetic,
     without torch.library's per-call Python dispatch (~55 µs of host time per call measured on the
-    GPU machine, benchmarks/NOTES.md).
+    GPU machine, benchmarks/NOTES.md). Either way ``impl`` runs under its first argument's device
+    (:func:`on_input_device`), including inside compiled graphs, which call the registered op.
     """
 
     def __init__(self, name: str, impl, *, fake, mutates_args: tuple[str, ...] = (), setup_context=None,
                  backward=None):
-        self.impl = impl
+        schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
+        self.impl = impl = on_input_device(impl)
         self.direct = not mutates_args  # torch.library bumps mutated tensors' version counters: keep it
-        self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args)
+        self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args, schema=schema)
         self.op.register_fake(fake)
         self.autograd = None
         if backward is not None:

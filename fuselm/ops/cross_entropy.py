@@ -33,7 +33,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, check_real, check_same, check_tensor, new_output, sm_count
+from fuselm.ops._common import (
+    FusedOp,
+    as_rows,
+    check_not_dtensor,
+    check_real,
+    check_same,
+    check_tensor,
+    new_output,
+    sm_count,
+)
 from fuselm.ops._triton import tl, triton
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -553,6 +562,7 @@ def _check_num_items(num_items: int | Tensor, reduction: str) -> None:
 def _check_labels(labels: object, expected_shape: torch.Size, owner: str, owner_tensor: Tensor) -> None:
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    check_not_dtensor("labels", labels)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if labels.shape != expected_shape:

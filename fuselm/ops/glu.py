@@ -22,7 +22,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_tensor, new_output
+from fuselm.ops._common import (
+    FusedOp,
+    as_rows,
+    autotune,
+    check_same,
+    check_tensor,
+    is_dtensor,
+    new_output,
+    on_local_shards,
+)
 from fuselm.ops._triton import tl, triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -236,6 +245,8 @@ GLU_PACKED = FusedOp("glu_packed", _glu_packed_impl, fake=_glu_packed_fake, setu
 
 # ----------------------------------------------------------------------------------- public API
 def _gated(activation: str, gate: Tensor, up: Tensor | None) -> Tensor:
+    if is_dtensor(gate) or is_dtensor(up):
+        return on_local_shards(functools.partial(_gated, activation), "gate", {"gate": gate, "up": up})
     check_tensor("gate", gate)
     if up is None:
         if gate.shape[-1] % 2:
@@ -261,6 +272,8 @@ def silu_mul(gate: Tensor, up: Tensor | None = None) -> Tensor:
         gate: [..., I] (any leading shape and strides), fp32/fp16/bf16 (any float dtype on the
             reference path). With ``up=None``: one packed [..., 2*I] tensor, gate half first.
         up: [..., I], same shape, dtype and device as gate; or None for the packed form.
+        DTensors (gate and up placed alike, sharded on any dimension but the last, or replicated) run on the
+        local shards and return a DTensor placed as gate.
 
     Returns:
         [..., I] in gate's dtype.

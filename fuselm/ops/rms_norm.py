@@ -25,7 +25,9 @@ from fuselm.ops._common import (
     check_real,
     check_same_device,
     check_tensor,
+    is_dtensor,
     new_output,
+    on_local_shards,
     sm_count,
 )
 from fuselm.ops._triton import tl, triton
@@ -458,6 +460,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, 
     Args:
         x: [..., hidden], fp32/fp16/bf16 (any dtype on the reference path); any leading shape.
         weight: [hidden], same device as x.
+        DTensors (x sharded on any dimension but the last, or replicated; weight replicated) run on the local
+        shards and return a DTensor placed as x (``fuselm.ops._common.on_local_shards``).
         eps: added to mean(x^2) before the square root; a Python float (or int) >= 0, not a tensor.
         offset: the norm multiplies by ``offset + weight`` (Gemma: 1.0); a Python float (or int).
         casting: ``"llama"``, ``"gemma"`` or ``"none"`` (module docstring).
@@ -465,6 +469,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0, 
     Returns:
         [..., hidden]; dtype x.dtype for ``"gemma"``, else ``promote_types(x.dtype, weight.dtype)``.
     """
+    if is_dtensor(x) or is_dtensor(weight):
+        return on_local_shards(lambda x, weight: rms_norm(x, weight, eps, offset, casting), "x",
+                               {"x": x, "weight": weight}, replicated=("weight",))
     eps, offset = _check_norm_args(x, weight, eps, offset, casting)
     if runs_triton(x):
         return RMS_NORM(x, weight, eps, offset, casting)[0]
@@ -482,6 +489,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
     Returns:
         (normed [..., hidden], total [..., hidden] in x.dtype). ``total`` is the new residual stream.
     """
+    if is_dtensor(x) or is_dtensor(residual) or is_dtensor(weight):
+        return on_local_shards(lambda x, residual, weight: add_rms_norm(x, residual, weight, eps, offset, casting), "x",
+                               {"x": x, "residual": residual, "weight": weight}, replicated=("weight",))
     eps, offset = _check_norm_args(x, weight, eps, offset, casting, residual=residual)
     if runs_triton(x):
         y, total, _ = ADD_RMS_NORM(x, residual, weight, eps, offset, casting)

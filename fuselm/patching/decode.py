@@ -114,7 +114,7 @@ def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tenso
         if q_norm is not None:
             casting, offset = q_norm[2], q_norm[3]  # the same class as the layer norms: the same arithmetic
         return qkv_rope(hidden, norm_weight, eps, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache,
-                        cache.step_slots, num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads,
+                        cache.slots(index), num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads,
                         q_bias=q_bias, k_bias=k_bias, v_bias=v_bias,
                         q_norm_weight=None if q_norm is None else q_norm[0],
                         k_norm_weight=None if k_norm is None else k_norm[0],
@@ -178,7 +178,7 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
         cache.open_step(seq_len, position_ids)
     q = _queries(layer, facts, hidden, cos, sin, cache, index)
     k_cache, v_cache = cache.buffers(index)
-    starts, ends = cache.lengths()
+    starts, ends = cache.lengths(index)
     attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
                                 softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
     attended = attended.transpose(1, 2).reshape(batch, seq_len, -1)

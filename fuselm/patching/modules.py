@@ -232,7 +232,10 @@ class FusedDecoderLayer:
                 or (getattr(self, "gradient_checkpointing", False) and self.training)):
             return residual + branch
         norm = self.__dict__.get(NEXT_NORM)
-        if not isinstance(norm, FusedRMSNorm):
+        # The next layer's norm may be out of reach: on the next GPU (device_map; the hook moves the stream there and
+        # drops what was primed), or still sharded (FSDP2 gathers a layer's weights only when the layer runs).
+        if (not isinstance(norm, FusedRMSNorm) or type(norm.weight) not in (nn.Parameter, Tensor)
+                or norm.weight.device != residual.device):
             return residual + branch
         normed, total = norm.add_forward(branch, residual)
         setattr(total, _PRIMED, (norm, total._version, normed))

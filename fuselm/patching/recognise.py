@@ -129,11 +129,25 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def _random_stand_in(module: nn.Module) -> nn.Module:
+    """A copy of a meta-device ``module`` on the CPU, its parameters and buffers random (seeded), for a probe."""
+    stand_in = copy.deepcopy(module).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in (*stand_in.parameters(), *stand_in.buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+    return stand_in
+
+
 def _probe_mlp(cls: type, module: nn.Module, spec: MlpSpec) -> str | None:
     """None if fuselm's gated MLP equals ``cls.forward`` on this module, else why it does not."""
     parameter = next(module.parameters(), None)
-    if parameter is None or parameter.device.type == "meta":
-        return "not probed: its weights are not materialised (family not in fuselm's table)"
+    if parameter is None:
+        return "not probed: it has no weights (family not in fuselm's table)"
+    if parameter.device.type == "meta":  # built on the meta device (FSDP2's init): probe a materialised stand-in
+        module = _random_stand_in(module)
+        parameter = next(module.parameters())
     first = getattr(module, spec.inputs[0])
     hidden = getattr(first, "in_features", None)
     if not isinstance(hidden, int):

@@ -32,9 +32,9 @@ from tests.helpers import rel_err
 from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
 from tests.patching.test_decode import CACHE_ARG
 
-PADS = (3, 0, 1)  # rows of 8, 11 and 10 real tokens
-PROMPT = 11
-NEW = 13  # more new tokens than the prompt
+PADS = (3, 0, 1)  # rows of 5, 8 and 7 real tokens
+PROMPT = 8
+NEW = 9  # more new tokens than the prompt
 
 
 def left_padded(pads=PADS, prompt=PROMPT, seed=7):

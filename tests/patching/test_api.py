@@ -465,13 +465,25 @@ def test_custom_modules_are_patched_only_when_a_probe_proves_them_equal():
     assert rel_err(model(x), expected) <= 1e-6
 
 
-def test_a_model_on_the_meta_device_patches_without_probing_its_weights():
+@pytest.mark.parametrize("name", ["llama", "gemma2", "granite"])
+def test_a_model_built_on_the_meta_device_patches_like_any_other_and_computes_once_materialised(name):
+    """FSDP2's recommended init: build under torch.device("meta"), patch (probes run on CPU stand-ins of their own,
+    an unlisted family's MLP included), then materialise (to_empty + weights) and compute like the unpatched."""
     with torch.device("meta"):
-        model = tiny_model("granite", device="meta")
+        model = tiny_model(name, device="meta")
     report = fuselm.patch(model)
-    assert report["rms_norm"].patched == report["rms_norm"].total  # norms are probed on CPU stand-ins
-    assert report["mlp"].left_alone == {
-        "not probed: its weights are not materialised (family not in fuselm's table)": 2}
+    expected_report = fuselm.patch(tiny_model(name))
+    assert {k: (v.patched, v.left_alone) for k, v in report.kinds.items()} == {
+        k: (v.patched, v.left_alone) for k, v in expected_report.kinds.items()}
+    assert report["mlp"].patched == report["mlp"].total == 2
+    unpatched = tiny_model(name)
+    model.to_empty(device=DEVICE)
+    model.load_state_dict(unpatched.state_dict())
+    for buffer, value in zip(model.buffers(), unpatched.buffers()):
+        buffer.copy_(value)  # rotary inv_freq: not in the state dict
+    ids = token_ids()
+    with torch.no_grad():
+        assert rel_err(model.eval()(ids).logits, unpatched(ids).logits) <= 1e-5
 
 
 # ----------------------------------------------------------------------------------- what runs
