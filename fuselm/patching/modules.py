@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from fuselm.backend import runs_triton
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
+from fuselm.ops.lora import lora_add, lora_add_reference, lora_add_shared
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 
@@ -111,8 +113,8 @@ def gated_mlp(mlp: nn.Module, spec: MlpSpec, x: Tensor) -> Tensor:
     if len(spec.inputs) == 1:
         hidden = gated(getattr(mlp, spec.inputs[0])(x))
     else:
-        gate = getattr(mlp, spec.inputs[0])(x)
-        hidden = gated(*_promoted(gate, getattr(mlp, spec.inputs[1])(x)))
+        gate, up = shared_projections([getattr(mlp, name) for name in spec.inputs], x)
+        hidden = gated(*_promoted(gate, up))
     return getattr(mlp, spec.output)(hidden)
 
 
@@ -243,3 +245,58 @@ def _cache_of(kwargs: dict):
     """The cache a decoder layer was given (transformers >= 5.24 names it ``cache``, earlier ``past_key_values``)."""
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
+
+
+# ----------------------------------------------------------------------------------- LoRA
+def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] | None:
+    """(A, B, scaling) when this call of the PEFT LoRA ``layer`` may run as ``lora_add(x, base_layer(x), A, B,
+    scaling)``, else None (PEFT's own forward runs).
+
+    Decided per call, as PEFT decides: one active, unmerged adapter, adapters enabled, plain LoRA (no DoRA or other
+    variant, no lora_bias), its dropout inactive (p = 0, or eval mode), no hook on the adapter's submodules (the
+    fused path does not call them), the fused path on for x (``fuselm.backend``), and autocast off or casting to
+    x's own dtype (then the fused path's arithmetic is autocast's).
+    """
+    if layer.disable_adapters or layer.merged or not x.is_floating_point() or not runs_triton(x):
+        return None
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(names) != 1:
+        return None
+    name = names[0]
+    lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    if (name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name) or lora_b.bias is not None
+            or (dropout.training and getattr(dropout, "p", 0.0) > 0) or hooked(lora_a) or hooked(lora_b)):
+        return None
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype:
+        return None
+    return lora_a.weight, lora_b.weight, layer.scaling[name]
+
+
+class FusedLoraLinear:
+    """A PEFT LoRA layer whose adapter branch runs as ``fuselm.lora_add`` (see ``fuselm/ops/lora.py``): the base
+    layer's own forward (``nn.Linear``, bitsandbytes 4-bit, ...), then the branch on tensor cores in x's dtype,
+    with no fp32 copy of x. Calls that :func:`lora_call_args` refuses run PEFT's forward."""
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        adapter = None if args or kwargs else lora_call_args(self, x)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        base_out = self.base_layer(x)
+        if base_out.dtype != x.dtype:  # a base layer that returns another dtype: PEFT's arithmetic
+            return lora_add_reference(x, base_out, *adapter)
+        return lora_add(x, base_out, *adapter)
+
+
+def shared_projections(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
+    """``[layer(x) for layer in layers]``, with one read of x for all LoRA branches when every layer is a fused LoRA
+    layer no hook watches and every call may take the fused path; else each layer is called."""
+    adapters = [lora_call_args(layer, x) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
+                for layer in layers]
+    if None in adapters:
+        return [layer(x) for layer in layers]
+    base_outs = [layer.base_layer(x) for layer in layers]
+    if any(out.dtype != x.dtype for out in base_outs):
+        return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
+    lora_as, lora_bs, scalings = zip(*adapters)
+    return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)

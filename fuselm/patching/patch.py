@@ -26,14 +26,14 @@ from fuselm.patching.recognise import Recogniser, kind_of
 from fuselm.patching.report import KindReport, PatchReport
 
 # The kinds of module, patched phase by phase: a decoder layer fuses into the norms patched before it.
-MODULE_PHASE = ("rms_norm", "rope", "mlp")
+MODULE_PHASE = ("rms_norm", "rope", "mlp", "lora")
 LAYER_PHASE = ("decoder_layer", "loss")
 PHASES = (MODULE_PHASE, LAYER_PHASE)
 KINDS = MODULE_PHASE + LAYER_PHASE
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True,
-          decoder_layer: bool = True, loss: bool = True) -> PatchReport:
+          decoder_layer: bool = True, loss: bool = True, lora: bool = True) -> PatchReport:
     """Route this model instance's matching modules to fuselm's fused ops; returns what was done.
 
     Only ``model`` changes (its modules' classes; see :func:`unpatch`); patching twice is harmless
@@ -51,6 +51,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             (needs ``rms_norm``).
         loss: the ``*ForCausalLM`` training loss -> ``fuselm.linear_cross_entropy``, without the
             [tokens, vocab] logits (see :mod:`fuselm.patching.loss` for when it falls back to HF's).
+        lora: PEFT LoRA layers (one active adapter, no dropout, no DoRA, around an ``nn.Linear`` or a bitsandbytes
+            ``Linear4bit``) -> ``fuselm.lora_add`` after the base layer, on tensor cores without an fp32 copy of x;
+            a fused MLP's gate/up share one read of x. Only layers that exist when ``patch`` runs: call it after
+            ``peft.get_peft_model`` (patched before, the model trains on PEFT's own LoRA forward; patching again
+            after ``get_peft_model`` adds the fusion).
 
     Training with HF ``Trainer`` or TRL ``SFTTrainer``, one line before building the trainer::
 
@@ -63,7 +68,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     unpatch(model)
-    enabled = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "decoder_layer": decoder_layer, "loss": loss}
+    enabled = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "decoder_layer": decoder_layer, "loss": loss,
+               "lora": lora}
     kinds = {kind: KindReport() for kind in KINDS}
     recogniser = Recogniser(decoder_layer_needs_norms=rms_norm)
     for phase in PHASES:
