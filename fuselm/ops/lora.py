@@ -116,19 +116,17 @@ def _backward_lora_add(ctx, grads):
     result = [None] * (1 + 3 * MAX_SHARED + 1)
     with torch.autocast(x.device.type, enabled=False):
         dys = [None if dy is None else as_rows(dy) for dy in grads[:count]]
-        # u_i = dy_i B_i, zero where the projection's output got no gradient
+        # u_i = dy_i B_i; zero where the projection's output got no gradient (its adapters then get none)
         us = [rows.new_zeros((rows.shape[0], b.shape[1])) if dy is None else dy @ b.to(dtype)
               for dy, b in zip(dys, lora_bs)]
         start = 0
         for i, (dy, a, b, scaling) in enumerate(zip(dys, lora_as, lora_bs, scalings)):
             rank = a.shape[0]
             result[1 + 3 * i] = grads[i] if needs[1 + 3 * i] else None  # the base output's gradient passes through
-            if needs[2 + 3 * i]:
+            if needs[2 + 3 * i] and dy is not None:
                 result[2 + 3 * i] = (_mm_fp32(us[i].t(), rows) * scaling).to(a.dtype)
             if needs[3 + 3 * i] and dy is not None:
                 result[3 + 3 * i] = (_mm_fp32(dy.t(), t[:, start:start + rank]) * scaling).to(b.dtype)
-            elif needs[3 + 3 * i]:
-                result[3 + 3 * i] = torch.zeros_like(b)
             start += rank
         if needs[0]:
             u = torch.cat(us, dim=1) if count > 1 else us[0]
