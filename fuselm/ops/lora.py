@@ -18,7 +18,9 @@ casting only the small adapters (A, B: r·(K + N) elements) to x's dtype; no fp3
               d base_i = dy_i                        (the base layer's own autograd carries it on: frozen weights)
 
 Saved for backward: x (in its dtype; one tensor for the whole group) and t ([M, Σr], r/K of x's size); nothing in
-fp32, nothing of size [M, N]. t goes through HBM once each way: it is Σr columns wide, and keeping it (rather than
+fp32, nothing of size [M, N]. The down projection's x, the GLU's output, is not kept: given ``glu_inputs`` backward
+recomputes it from gate and up, which the GLU's backward keeps anyway (one elementwise pass instead of [M, I]
+more memory per layer). t goes through HBM once each way: it is Σr columns wide, and keeping it (rather than
 recomputing x Aᵀ) saves a read of x in backward. Every step is a cuBLAS GEMM whose epilogue does the adds and the
 scaling; no elementwise kernel is left to fuse, so there is no Triton kernel here (a Triton GEMM would have to beat
 cuBLAS on the base-sized products). The base GEMM stays the base layer's own call, so quantised bases work alike.
@@ -35,9 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuselm.backend import runs_triton
-from fuselm.ops._common import FusedOp, as_rows, check_real, check_same_device, check_tensor
+from fuselm.ops._common import FusedOp, as_rows, check_real, check_same, check_same_device, check_tensor
+from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 
 MAX_SHARED = 3  # projections of one input in one op call: q/k/v
+GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 _MM_FP32_OUT = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=): torch >= 2.8 on CUDA
 
 
@@ -75,8 +79,9 @@ def _stacked(adapters: list[Tensor], dtype: torch.dtype, scalings: Sequence[floa
 
 def _lora_add_impl(x: Tensor, base0: Tensor, a0: Tensor, b0: Tensor, base1: Tensor | None, a1: Tensor | None,
                    b1: Tensor | None, base2: Tensor | None, a2: Tensor | None, b2: Tensor | None,
-                   scalings: list[float]) -> list[Tensor]:
-    """[out_0, ..., out_{n-1}, t]: t = x Aᵀ [M, Σr] in x's dtype, returned for backward (not differentiable)."""
+                   gate: Tensor | None, up: Tensor | None, scalings: list[float], activation: str) -> list[Tensor]:
+    """[out_0, ..., out_{n-1}, t]: t = x Aᵀ [M, Σr] in x's dtype, returned for backward (not differentiable).
+    ``gate`` given: x is ``GATED[activation](gate, up)``, which backward recomputes instead of keeping x."""
     projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
     with torch.autocast(x.device.type, enabled=False):
         rows = as_rows(x)
@@ -90,30 +95,35 @@ def _lora_add_impl(x: Tensor, base0: Tensor, a0: Tensor, b0: Tensor, base1: Tens
     return [*outs, t]
 
 
-def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, scalings):
+def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, scalings, activation):
     projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
     rank = sum(a.shape[0] for _, a, _ in projections)
     return [base.new_empty(base.shape) for base, _, _ in projections] + [x.new_empty((x.numel() // x.shape[-1], rank))]
 
 
 def _setup_lora_add(ctx, inputs, output):
-    x, *flat, scalings = inputs
+    x, *flat, gate, up, scalings, activation = inputs
     projections = _projections(tuple(flat))
     t = output[-1]
     ctx.mark_non_differentiable(t)
     ctx.set_materialize_grads(False)  # an output nobody used (t, or a projection) gets None, not zeros
-    ctx.save_for_backward(x, t, *(a for _, a, _ in projections), *(b for _, _, b in projections))
-    ctx.scalings = scalings
+    # x, or the GLU's inputs it is made from (which the GLU's own backward keeps anyway)
+    kept = (x, None) if gate is None else (gate, up)
+    ctx.save_for_backward(*kept, t, *(a for _, a, _ in projections), *(b for _, _, b in projections))
+    ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
 
 
 def _backward_lora_add(ctx, grads):
-    x, t, *adapters = ctx.saved_tensors
+    x, up, t, *adapters = ctx.saved_tensors
     count = len(adapters) // 2
     lora_as, lora_bs, scalings = adapters[:count], adapters[count:], ctx.scalings
     needs = ctx.needs_input_grad
+    if ctx.recompute:  # x saved as the GLU's inputs (gate, up): x again, as the forward's GLU made it
+        with torch.no_grad():
+            x = GATED[ctx.activation](x, up)
     dtype = x.dtype
     rows = as_rows(x)
-    result = [None] * (1 + 3 * MAX_SHARED + 1)
+    result = [None] * (1 + 3 * MAX_SHARED + 4)
     with torch.autocast(x.device.type, enabled=False):
         dys = [None if dy is None else as_rows(dy) for dy in grads[:count]]
         # u_i = dy_i B_i; zero where the projection's output got no gradient (its adapters then get none)
@@ -165,7 +175,8 @@ def _check(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lo
 
 
 def lora_add_shared(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
-                    scalings: Sequence[float]) -> list[Tensor]:
+                    scalings: Sequence[float], *, glu_inputs: tuple[Tensor, Tensor | None, str] | None = None
+                    ) -> list[Tensor]:
     """:func:`lora_add` for up to three projections of the same input (q/k/v, gate/up): x is read once.
 
     Args:
@@ -173,20 +184,40 @@ def lora_add_shared(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Te
         base_outs: per projection its base layer's output [..., N_i], in x's dtype.
         lora_as: per projection A [r_i, K]; lora_bs: B [N_i, r_i], B in A's dtype (any float dtype, e.g. fp32 masters).
         scalings: per projection a Python float.
+        glu_inputs: (gate, up, activation) when x is ``silu_mul(gate, up)`` or ``gelu_tanh_mul(gate, up)``
+            (activation "silu" or "gelu_tanh"; up None: gate is the packed [..., 2K] tensor), the down projection's
+            input: backward then recomputes x from them (which the GLU's backward keeps anyway) instead of keeping x.
 
     Returns:
         per projection ``base_out + scaling * (x Aᵀ) Bᵀ`` [..., N_i] in x's dtype. Gradients flow to x (the LoRA
         part; the base output's gradient is passed to the base layer unchanged), the base outputs, A and B.
     """
     scalings = _check(x, base_outs, lora_as, lora_bs, scalings)
+    gate, up, activation = _check_glu_inputs(x, glu_inputs)
     if not runs_triton(x):
         return [lora_add_reference(x, *args) for args in zip(base_outs, lora_as, lora_bs, scalings)]
     flat = [tensor for projection in zip(base_outs, lora_as, lora_bs) for tensor in projection]
     flat += [None] * (3 * MAX_SHARED - len(flat))
-    return LORA_ADD(x, *flat, scalings)[:-1]
+    return LORA_ADD(x, *flat, gate, up, scalings, activation)[:-1]
 
 
-def lora_add(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+def _check_glu_inputs(x: Tensor, glu_inputs: tuple | None) -> tuple[Tensor | None, Tensor | None, str]:
+    if glu_inputs is None:
+        return None, None, "silu"
+    gate, up, activation = glu_inputs
+    if activation not in GATED:
+        raise ValueError(f"glu_inputs' activation must be one of {tuple(GATED)}, got {activation!r}")
+    width = x.shape[-1] * (2 if up is None else 1)
+    if check_tensor("glu_inputs' gate", gate).shape != (*x.shape[:-1], width):
+        raise ValueError(f"glu_inputs' gate has shape {tuple(gate.shape)}, but x {tuple(x.shape)} is made from it")
+    if up is not None and check_tensor("glu_inputs' up", up).shape != gate.shape:
+        raise ValueError(f"glu_inputs' up has shape {tuple(up.shape)} but its gate has shape {tuple(gate.shape)}")
+    check_same("x", x, **{"glu_inputs' gate": gate, "glu_inputs' up": up})
+    return gate, up, activation
+
+
+def lora_add(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, *,
+             glu_inputs: tuple[Tensor, Tensor | None, str] | None = None) -> Tensor:
     """A LoRA layer's output: ``base_out + scaling * (x Aᵀ) Bᵀ`` (the module docstring says how it is computed).
 
     Args:
@@ -194,8 +225,9 @@ def lora_add(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scalin
         base_out: [..., N] the base layer's output for x, in x's dtype.
         lora_a: A [r, K]; lora_b: B [N, r], in one float dtype (fp32 as PEFT keeps them, or x's).
         scaling: a Python float (alpha / r; alpha / sqrt(r) for rsLoRA).
+        glu_inputs: as :func:`lora_add_shared`'s (the down projection: x recomputed in backward).
 
     Returns:
         [..., N] in x's dtype.
     """
-    return lora_add_shared(x, [base_out], [lora_a], [lora_b], [scaling])[0]
+    return lora_add_shared(x, [base_out], [lora_a], [lora_b], [scaling], glu_inputs=glu_inputs)[0]

@@ -111,11 +111,12 @@ def gated_mlp(mlp: nn.Module, spec: MlpSpec, x: Tensor) -> Tensor:
     """``output(act(gate(x)) * up(x))`` through ``mlp``'s own projections; x: [..., hidden] -> [..., hidden]."""
     gated = _GATED[spec.activation]
     if len(spec.inputs) == 1:
-        hidden = gated(getattr(mlp, spec.inputs[0])(x))
+        gate, up = getattr(mlp, spec.inputs[0])(x), None
+        hidden = gated(gate)
     else:
         gate, up = shared_projections([getattr(mlp, name) for name in spec.inputs], x)
         hidden = gated(*_promoted(gate, up))
-    return getattr(mlp, spec.output)(hidden)
+    return down_projection(getattr(mlp, spec.output), hidden, gate, up, spec.activation)
 
 
 class FusedGatedMLP:
@@ -300,3 +301,15 @@ def shared_projections(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
         return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
     lora_as, lora_bs, scalings = zip(*adapters)
     return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+
+
+def down_projection(layer: nn.Module, hidden: Tensor, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:
+    """``layer(hidden)`` for hidden = act(gate) * up (up None: gate packed); a fused LoRA layer's branch keeps gate
+    and up for backward, not hidden (see ``lora_add``'s ``glu_inputs``)."""
+    adapter = lora_call_args(layer, hidden) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
+    if adapter is None or hidden.dtype != gate.dtype or (up is not None and up.dtype != gate.dtype):
+        return layer(hidden)
+    base_out = layer.base_layer(hidden)
+    if base_out.dtype != hidden.dtype:
+        return lora_add_reference(hidden, base_out, *adapter)
+    return lora_add(hidden, base_out, *adapter, glu_inputs=(gate, up, activation))

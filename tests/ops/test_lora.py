@@ -129,6 +129,33 @@ def test_fused_path_keeps_no_fp32_copy_of_x(device):
                            *[((4, 48), "torch.float32")] * 2, *[((40, 4), "torch.float32")] * 2])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_down_projection_recomputes_its_input_from_the_glu(path, device, packed, activation):
+    """With glu_inputs the result and every gradient (through the GLU to gate and up) are those of keeping x, and
+    backward keeps gate and up, which the GLU keeps anyway, instead of x."""
+    gated = {"silu": fuselm.silu_mul, "gelu_tanh": fuselm.gelu_tanh_mul}[activation]
+    gate = randn(6, 2 * 10 if packed else 10, dtype=torch.bfloat16, device=device, requires_grad=True)
+    up = None if packed else randn(6, 10, dtype=torch.bfloat16, device=device, requires_grad=True)
+    base = randn(6, 12, dtype=torch.bfloat16, device=device, requires_grad=True)
+    a, b = randn(3, 10, device=device, requires_grad=True), randn(12, 3, device=device, requires_grad=True)
+    leaves = [t for t in (gate, up, base, a, b) if t is not None]
+    upstream = randn(6, 12, dtype=torch.bfloat16, device=device)
+    results = []
+    for glu_inputs in (None, (gate, up, activation)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            hidden = gated(gate, up)
+            out = fuselm.lora_add(hidden, base, a, b, 0.75, glu_inputs=glu_inputs)
+        results.append((out, grads(out, leaves, upstream), any(t is hidden for t in saved)))
+    (kept_out, kept_grads, hidden_kept), (out, got_grads, hidden_still_kept) = results
+    assert torch.equal(out, kept_out)
+    for got, expected in zip(got_grads, kept_grads):
+        assert torch.equal(got, expected)
+    if path == "triton":  # the reference (PEFT's arithmetic) keeps an fp32 copy of hidden either way
+        assert hidden_kept and not hidden_still_kept
+
+
 @pytest.mark.parametrize(
     "call,error,match",
     [
@@ -146,6 +173,12 @@ def test_fused_path_keeps_no_fp32_copy_of_x(device):
          "one entry per projection"),
         (lambda x, o, a, b: fuselm.lora_add_shared(x, [o, o], [a], [b], [1.0]), ValueError,
          "one entry per projection"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x, x, "relu")), ValueError,
+         "activation must be one of"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x[:, :-1], None, "silu")), ValueError,
+         "glu_inputs' gate has shape"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x, x[:-1], "silu")), ValueError,
+         "glu_inputs' up has shape"),
     ],
 )
 def test_bad_input_names_the_argument(call, error, match):

@@ -25,12 +25,15 @@ def peft_model(targets=None, dtype=torch.float32, name="llama", **lora_options):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """The number of projections each ``fuselm::lora_add`` call computed, one entry per call."""
+    """Per ``fuselm::lora_add`` call, the number of projections it computed, or "glu" for a down projection whose
+    input backward recomputes from the GLU's."""
     calls = []
     original = lora_op.LORA_ADD
 
     def counting(x, *args):
-        calls.append(sum(arg is not None for arg in args[:-1]) // 3)
+        projections = sum(arg is not None for arg in args[:3 * lora_op.MAX_SHARED]) // 3
+        glu_gate = args[3 * lora_op.MAX_SHARED]
+        calls.append("glu" if glu_gate is not None else projections)
         return original(x, *args)
 
     monkeypatch.setattr(lora_op, "LORA_ADD", counting)
@@ -55,10 +58,10 @@ LORA_CASES = {  # LoRA targets and options: every projection subset kind, rsLoRA
     "qwen2-biased-base": ("qwen2", ALL_LINEARS, {}),  # Qwen2's q/k/v have biases
     "phi3-packed": ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], {}),
 }
-EVERY_LINEAR_CALLS = [1, 1, 1, 1, 2, 1]  # q, k, v, o, gate with up, down
-LORA_CALLS = {"all-linears": EVERY_LINEAR_CALLS, "attention": [1] * 4, "mlp": [2, 1], "q-v-default": [1, 1],
-              "gate-and-down": [1, 1], "rslora": EVERY_LINEAR_CALLS, "rank-1": [1] * 3,
-              "qwen2-biased-base": EVERY_LINEAR_CALLS, "phi3-packed": [1] * 4}  # per layer, in call order
+EVERY_LINEAR_CALLS = [1, 1, 1, 1, 2, "glu"]  # q, k, v, o, gate with up, down
+LORA_CALLS = {"all-linears": EVERY_LINEAR_CALLS, "attention": [1] * 4, "mlp": [2, "glu"], "q-v-default": [1, 1],
+              "gate-and-down": [1, "glu"], "rslora": EVERY_LINEAR_CALLS, "rank-1": [1] * 3,
+              "qwen2-biased-base": EVERY_LINEAR_CALLS, "phi3-packed": [1, 1, 1, "glu"]}  # per layer, in call order
 
 
 @pytest.mark.parametrize("case", list(LORA_CASES))
