@@ -277,30 +277,76 @@ def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] 
 class FusedLoraLinear:
     """A PEFT LoRA layer whose adapter branch runs as ``fuselm.lora_add`` (see ``fuselm/ops/lora.py``): the base
     layer's own forward (``nn.Linear``, bitsandbytes 4-bit, ...), then the branch on tensor cores in x's dtype,
-    with no fp32 copy of x. Calls that :func:`lora_call_args` refuses run PEFT's forward."""
+    with no fp32 copy of x. Calls that :func:`lora_call_args` refuses run PEFT's forward.
+
+    q/k/v share one read of x: the first fused one of an attention's q/k/v projections (which HF calls first)
+    holds the others (:data:`SHARES_INPUT_WITH`, linked by ``patch``), computes all their outputs in one
+    ``lora_add_shared`` and leaves theirs on x, *primed* as the residual stream is for the norms (module docstring):
+    each takes its output only if it receives that very tensor unmodified; priming is off under torch.compile and
+    in inference mode.
+    """
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        adapter = None if args or kwargs else lora_call_args(self, x)
-        if adapter is None:
+        if args or kwargs:
             return super().forward(x, *args, **kwargs)
-        base_out = self.base_layer(x)
-        if base_out.dtype != x.dtype:  # a base layer that returns another dtype: PEFT's arithmetic
-            return lora_add_reference(x, base_out, *adapter)
-        return lora_add(x, base_out, *adapter)
+        primed = _take_primed_output(x, self)
+        if primed is not None:
+            return primed
+        adapter = lora_call_args(self, x)
+        if adapter is None:
+            return super().forward(x)
+        siblings = self.__dict__.get(SHARES_INPUT_WITH)
+        if siblings and _can_prime(x):
+            adapters = _fused_adapters(siblings, x)
+            if adapters is not None:
+                own, *others = _lora_outputs([self, *siblings], [adapter, *adapters], x)
+                setattr(x, _PRIMED_OUTPUTS, (x._version, dict(zip(siblings, others))))
+                return own
+        return _lora_outputs([self], [adapter], x)[0]
+
+
+SHARES_INPUT_WITH = "_fuselm_shares_input_with"  # in a fused LoRA q_proj's __dict__: the k/v layers it computes too
+_PRIMED_OUTPUTS = "_fuselm_primed_outputs"  # on an attention's input: (version, {LoRA layer: its output})
+
+
+def _can_prime(x: Tensor) -> bool:
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or x.is_inference())
+
+
+def _take_primed_output(x: Tensor, layer: nn.Module) -> Tensor | None:
+    if not _can_prime(x):
+        return None
+    primed = getattr(x, _PRIMED_OUTPUTS, None)
+    if primed is None:
+        return None
+    version, outputs = primed
+    output = outputs.pop(layer, None)
+    if not outputs:
+        delattr(x, _PRIMED_OUTPUTS)
+    return output if version == x._version else None
+
+
+def _fused_adapters(layers: list[nn.Module], x: Tensor) -> list[tuple[Tensor, Tensor, float]] | None:
+    """Each layer's :func:`lora_call_args` when all are fused LoRA layers no hook watches that may fuse this call."""
+    adapters = [lora_call_args(layer, x) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
+                for layer in layers]
+    return None if None in adapters else adapters
+
+
+def _lora_outputs(layers: list[nn.Module], adapters: list[tuple[Tensor, Tensor, float]], x: Tensor) -> list[Tensor]:
+    """The layers' outputs for x: their base layers' own outputs plus their branches in one ``lora_add_shared``."""
+    base_outs = [layer.base_layer(x) for layer in layers]
+    if any(out.dtype != x.dtype for out in base_outs):  # a base layer that returns another dtype: PEFT's arithmetic
+        return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
+    lora_as, lora_bs, scalings = zip(*adapters)
+    return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
 
 
 def shared_projections(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
     """``[layer(x) for layer in layers]``, with one read of x for all LoRA branches when every layer is a fused LoRA
     layer no hook watches and every call may take the fused path; else each layer is called."""
-    adapters = [lora_call_args(layer, x) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
-                for layer in layers]
-    if None in adapters:
-        return [layer(x) for layer in layers]
-    base_outs = [layer.base_layer(x) for layer in layers]
-    if any(out.dtype != x.dtype for out in base_outs):
-        return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
-    lora_as, lora_bs, scalings = zip(*adapters)
-    return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    adapters = _fused_adapters(layers, x)
+    return [layer(x) for layer in layers] if adapters is None else _lora_outputs(layers, adapters, x)
 
 
 def down_projection(layer: nn.Module, hidden: Tensor, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:

@@ -21,7 +21,7 @@ from fuselm.backend import path_name
 from fuselm.patching.classes import ORIGINAL
 from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks
 from fuselm.patching.families import family_of
-from fuselm.patching.modules import NEXT_NORM, FusedDecoderLayer
+from fuselm.patching.modules import NEXT_NORM, SHARES_INPUT_WITH, FusedDecoderLayer, FusedLoraLinear
 from fuselm.patching.recognise import Recogniser, kind_of
 from fuselm.patching.report import KindReport, PatchReport
 
@@ -95,6 +95,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
                 module.__class__ = fused
                 entry.patched += 1
     _link_next_norms(model)
+    _link_shared_inputs(model)
     parameter = next(model.parameters(), None)
     ops_path = path_name(parameter.device) if parameter is not None else path_name("cpu")
     return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model))
@@ -119,6 +120,7 @@ def unpatch(model: nn.Module) -> int:
             module.__class__ = original
             restored += 1
         module.__dict__.pop(NEXT_NORM, None)
+        module.__dict__.pop(SHARES_INPUT_WITH, None)
         module.__dict__.pop(ATTENTION_FACTS, None)
     return restored
 
@@ -152,3 +154,17 @@ def _link_next_norms(model: nn.Module) -> None:
                 owner, attribute = ((layers[i + 1], "input_layernorm") if i + 1 < len(layers)
                                     else (parent, family_of(type(layer)).final_norm))
                 layer.__dict__[NEXT_NORM] = getattr(owner, attribute, None)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")  # in the order HF's attention forwards call them (every family in the table)
+
+
+def _link_shared_inputs(model: nn.Module) -> None:
+    """Give the first fused LoRA layer among each module's q/k/v projections the others, which it computes with
+    its own output from one read of their shared input (see :class:`FusedLoraLinear`). Plain attributes, kept out
+    of ``_modules``, as the next-norm links are."""
+    for module in model.modules():
+        layers = [getattr(module, name, None) for name in _QKV]
+        fused = [layer for layer in layers if isinstance(layer, FusedLoraLinear)]
+        if len(fused) > 1:
+            fused[0].__dict__[SHARES_INPUT_WITH] = tuple(fused[1:])

@@ -58,10 +58,11 @@ LORA_CASES = {  # LoRA targets and options: every projection subset kind, rsLoRA
     "qwen2-biased-base": ("qwen2", ALL_LINEARS, {}),  # Qwen2's q/k/v have biases
     "phi3-packed": ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], {}),
 }
-EVERY_LINEAR_CALLS = [1, 1, 1, 1, 2, "glu"]  # q, k, v, o, gate with up, down
-LORA_CALLS = {"all-linears": EVERY_LINEAR_CALLS, "attention": [1] * 4, "mlp": [2, "glu"], "q-v-default": [1, 1],
+EVERY_LINEAR_CALLS = [3, 1, 2, "glu"]  # q with k and v, o, gate with up, down
+LORA_CALLS = {"all-linears": EVERY_LINEAR_CALLS, "attention": [3, 1], "mlp": [2, "glu"], "q-v-default": [2],
               "gate-and-down": [1, "glu"], "rslora": EVERY_LINEAR_CALLS, "rank-1": [1] * 3,
               "qwen2-biased-base": EVERY_LINEAR_CALLS, "phi3-packed": [1, 1, 1, "glu"]}  # per layer, in call order
+CALLS_PER_FORWARD = 2 * len(EVERY_LINEAR_CALLS)  # two layers, LoRA on every linear
 
 
 @pytest.mark.parametrize("case", list(LORA_CASES))
@@ -109,10 +110,10 @@ def test_disabled_and_merged_adapters_run_peft(fused_calls):
                 disabled = model(input_ids=ids).logits
             assert fused_calls == []
             adapted = model(input_ids=ids).logits
-            assert len(fused_calls) == 12
+            assert len(fused_calls) == CALLS_PER_FORWARD
             model.merge_adapter()
             merged = model(input_ids=ids).logits
-            assert len(fused_calls) == 12
+            assert len(fused_calls) == CALLS_PER_FORWARD
             model.unmerge_adapter()
     assert rel_err(disabled, base_logits) <= 1e-6
     assert rel_err(merged, adapted) <= 1e-5 and rel_err(adapted, base_logits) > 1e-2
@@ -149,7 +150,8 @@ def test_fallbacks_give_peft_s_result_and_say_why(case, fused_calls):
     with fuselm.use_backend("triton"):
         got = trainable_grads(model, ids)
     assert_matches_peft(got, expected)
-    assert len(fused_calls) == (0 if case != "two-adapters" else 4 * 5)  # the other 12 layers fuse (gate/up as one)
+    # with two adapters on q_proj, the other 12 layers fuse: k with v, o, gate with up, down
+    assert len(fused_calls) == (0 if case != "two-adapters" else 2 * CALLS_PER_FORWARD)
 
 
 def test_dropout_set_after_patching_runs_peft_in_training_only(fused_calls):
@@ -162,10 +164,10 @@ def test_dropout_set_after_patching_runs_peft_in_training_only(fused_calls):
     with torch.no_grad(), fuselm.use_backend("triton"):
         model.eval()
         evaluated = model(input_ids=ids).logits
-        assert len(fused_calls) == 12
+        assert len(fused_calls) == CALLS_PER_FORWARD
         model.train()
         model(input_ids=ids)
-        assert len(fused_calls) == 12, "training mode: PEFT's forward draws the dropout mask"
+        assert len(fused_calls) == CALLS_PER_FORWARD, "training mode: PEFT's forward draws the dropout mask"
     fuselm.unpatch(model)
     with torch.no_grad():
         assert rel_err(evaluated, model.eval()(input_ids=ids).logits) <= 1e-6
@@ -181,8 +183,31 @@ def test_gradient_checkpointing_with_fused_lora(reentrant, fused_calls):
     model.enable_input_require_grads()
     with fuselm.use_backend("triton"):
         got = trainable_grads(model, ids)
-    assert len(fused_calls) == 3 * 12, "logits, training forward, and its recomputation in backward"
+    assert len(fused_calls) == 3 * CALLS_PER_FORWARD, "logits, training forward, and its recomputation in backward"
     assert_matches_peft(got, expected)
+
+
+def test_primed_k_and_v_are_taken_only_from_the_unmodified_input(fused_calls):
+    """q_proj computes k's and v's outputs too and leaves them on its input: k and v take them from that very tensor,
+    unmodified; after an in-place change each computes its own; in inference mode nothing is primed."""
+    model = peft_model(ALL_LINEARS)
+    attention = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 56)
+    with torch.no_grad():
+        expected = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+    fuselm.patch(model)
+    with torch.no_grad(), fuselm.use_backend("triton"):
+        q, k = attention.q_proj(x), attention.k_proj(x)
+        assert fused_calls == [3]
+        x.mul_(1.0)  # a new version of x: v must not take what q primed
+        v = attention.v_proj(x)
+        assert fused_calls == [3, 1]
+        with torch.inference_mode():
+            inferred = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+        assert fused_calls == [3, 1, 1, 1, 1]
+    for got in ([q, k, v], inferred):
+        for out, ref in zip(got, expected):
+            assert rel_err(out, ref) <= 1e-6
 
 
 class Linear4bit(nn.Module):
@@ -214,7 +239,8 @@ def test_a_4_bit_base_layer_is_called_and_the_branch_fused(fused_calls):
     assert report["lora"].patched == 14
     with fuselm.use_backend("triton"):
         got = trainable_grads(model, ids)
-    assert len(fused_calls) == 24 and all(base.calls == 4 for base in stand_ins)  # 2 unpatched + 2 patched forwards
+    assert len(fused_calls) == 2 * CALLS_PER_FORWARD
+    assert all(base.calls == 4 for base in stand_ins)  # 2 unpatched + 2 patched forwards
     assert_matches_peft(got, expected)
 
 
@@ -257,7 +283,7 @@ def test_bf16_fine_tuning_with_fused_lora_stays_within_bf16_noise(fused_calls):
     expected_losses, expected_weights = fine_tune(torch.bfloat16, patch=False, first_grads=expected_grads)
     with fuselm.use_backend("triton"):
         losses, weights = fine_tune(torch.bfloat16, patch=True, first_grads=got_grads)
-    assert len(fused_calls) == 30 * 2 * 6
+    assert len(fused_calls) == 30 * CALLS_PER_FORWARD
     expected_error = max(rel_err(expected_grads[n], fp32_grads[n]) for n in fp32_grads)
     error = max(rel_err(got_grads[n], fp32_grads[n]) for n in fp32_grads)
     assert error <= 1.5 * expected_error, f"first-step gradients vs fp32: {error:.3g}, PEFT bf16's {expected_error:.3g}"
