@@ -255,8 +255,8 @@ def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] 
 
     Decided per call, as PEFT decides: one active, unmerged adapter, adapters enabled, plain LoRA (no DoRA or other
     variant, no lora_bias), its dropout inactive (p = 0, or eval mode), no hook on the adapter's submodules (the
-    fused path does not call them), the fused path on for x (``fuselm.backend``), and autocast off or casting to
-    x's own dtype (then the fused path's arithmetic is autocast's).
+    fused path does not call them), a Python number as scaling, the fused path on for x (``fuselm.backend``), and
+    autocast off or casting to x's own dtype (then the fused path's arithmetic is autocast's).
     """
     if layer.disable_adapters or layer.merged or not x.is_floating_point() or not runs_triton(x):
         return None
@@ -269,9 +269,11 @@ def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] 
             or (dropout.training and getattr(dropout, "p", 0.0) > 0) or hooked(lora_a) or hooked(lora_b)):
         return None
     device = x.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype:
+    scaling = layer.scaling[name]
+    if (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype) or isinstance(
+            scaling, bool) or not isinstance(scaling, (int, float)):
         return None
-    return lora_a.weight, lora_b.weight, layer.scaling[name]
+    return lora_a.weight, lora_b.weight, scaling
 
 
 class FusedLoraLinear:
