@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the end-to-end benchmark and
-# (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
+# The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the end-to-end benchmark,
+# (FUSELM_LORA=1) the LoRA step's profile and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -26,6 +26,9 @@ if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
 fi
 if [ "${FUSELM_E2E:-0}" = 1 ]; then
   python3 benchmarks/e2e.py --out "$out/e2e-h200.json" 2>&1 | tee "$out/e2e.log"
+fi
+if [ "${FUSELM_LORA:-0}" = 1 ]; then  # one LoRA step profiled by kind of kernel: unpatched, before, after
+  python3 benchmarks/lora_profile.py --out "$out/lora-profile-h200.json" 2>&1 | tee "$out/lora-profile.log"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"
