@@ -291,3 +291,21 @@ def test_bf16_fine_tuning_with_fused_lora_stays_within_bf16_noise(fused_calls):
     assert expected_per_pass[-1] < 0.8 * expected_per_pass[0], "the run must actually learn"
     assert curve_distance(per_pass, expected_per_pass) <= 3e-2
     assert weight_distance(weights, expected_weights) <= 1e-1
+
+
+def test_torch_compile_fullgraph_of_a_fused_lora_training_step():
+    model = peft_model(ALL_LINEARS)
+    ids = token_ids()
+    fuselm.patch(model)
+    hf_model = model.base_model.model  # the HF model inside PEFT's wrapper, compiled as test_api compiles one
+    with fuselm.use_backend("triton"):
+        eager = hf_model(ids, labels=ids, use_cache=False)
+        eager.loss.backward()
+        eager_grads = {n: p.grad.clone() for n, p in hf_model.named_parameters() if p.grad is not None}
+        hf_model.zero_grad()
+        compiled = torch.compile(hf_model, fullgraph=True, backend="aot_eager")(ids, labels=ids, use_cache=False)
+        compiled.loss.backward()
+    assert rel_err(compiled.loss, eager.loss) <= 1e-6
+    grads = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == eager_grads.keys() and all("lora_" in n for n in grads)
+    assert all(rel_err(grads[n], eager_grads[n]) <= 1e-5 for n in grads)
