@@ -53,9 +53,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             [tokens, vocab] logits (see :mod:`fuselm.patching.loss` for when it falls back to HF's).
         lora: PEFT LoRA layers (one active adapter, no dropout, no DoRA, around an ``nn.Linear`` or a bitsandbytes
             ``Linear4bit``) -> ``fuselm.lora_add`` after the base layer, on tensor cores without an fp32 copy of x;
-            a fused MLP's gate/up share one read of x. Only layers that exist when ``patch`` runs: call it after
-            ``peft.get_peft_model`` (patched before, the model trains on PEFT's own LoRA forward; patching again
-            after ``get_peft_model`` adds the fusion).
+            q/k/v and a fused MLP's gate/up share one read of x. Only layers that exist when ``patch`` runs: call
+            it after ``peft.get_peft_model`` (patched before, the model trains on PEFT's own LoRA forward; patching
+            again after ``get_peft_model`` adds the fusion).
 
     Training with HF ``Trainer`` or TRL ``SFTTrainer``, one line before building the trainer::
 

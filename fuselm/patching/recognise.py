@@ -53,7 +53,8 @@ from fuselm.patching.modules import (
 _CLASS_SUFFIXES = {"rms_norm": ("rmsnorm",), "rope": ("attention",), "mlp": ("mlp", "moeblock", "moe"),
                    "decoder_layer": ("decoderlayer",), "loss": ("forcausallm",)}
 _ROPE_FUNCTION = "apply_rotary_pos_emb"
-_LORA_CLASSES = ("Linear", "Linear4bit")  # PEFT's LoRA layers around an nn.Linear and a bitsandbytes 4-bit linear
+# PEFT's LoRA layers around an nn.Linear and bitsandbytes' 4-bit and (counted, left alone) 8-bit linears
+_LORA_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 
 
 def kind_of(cls: type) -> str | None:
