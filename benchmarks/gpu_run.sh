@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark,
-# (FUSELM_TRAIN=1) the training benchmark and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
+# (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile and (FUSELM_DECODE=1) the
+# decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -29,6 +30,9 @@ if [ "${FUSELM_E2E:-0}" = 1 ]; then
 fi
 if [ "${FUSELM_TRAIN:-0}" = 1 ]; then
   python3 benchmarks/train_bench.py --out "$out/train-h200.json" 2>&1 | tee "$out/train.log"
+fi
+if [ "${FUSELM_LORA:-0}" = 1 ]; then  # one LoRA step profiled by kind of kernel: unpatched, before, after
+  python3 benchmarks/lora_profile.py --out "$out/lora-profile-h200.json" 2>&1 | tee "$out/lora-profile.log"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"

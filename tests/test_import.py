@@ -19,6 +19,7 @@ from fuselm.ops.attention import decode_attention_reference
 from fuselm.ops.cross_entropy import cross_entropy_reference, linear_cross_entropy_reference
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
+from fuselm.ops.lora import lora_add_reference
 from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 from fuselm.ops.rope import rope_reference
 
@@ -52,9 +53,14 @@ CASES = {  # op: (fuselm's result on fp32 inputs, the reference's on float64 cop
                                   num_kv_heads=2), *caches],
                  [qkv_rope_reference(*d(hx, w), 1e-6, *d(wq, wkv, wkv.flip(0), rc, rs), *caches64, slots, 4, 2),
                   *caches64]),
+    "lora_add": (fuselm.lora_add(x, gate, head[:4], head[:, :4], 0.5),
+                 [lora_add_reference(*d(x, gate, head[:4], head[:, :4]), 0.5)]),
+    "lora_add_shared": (fuselm.lora_add_shared(x, [gate, up], [head[:4], head[4:6]], [head[:, :4], head[:, 4:6]],
+                                               [0.5, 2.0]),
+                        [lora_add_reference(*d(x, gate, head[:4], head[:, :4]), 0.5),
+                         lora_add_reference(*d(x, up, head[4:6], head[:, 4:6]), 2.0)]),
 }
-BACKEND_API = ("get_backend", "set_backend", "use_backend", *fuselm._PATCHING)
-assert set(CASES) == set(fuselm.__all__) - set(BACKEND_API), "a public op without a case here"
+assert set(CASES) == set(fuselm._OPS), "a public op without a case here"
 for name, (out, ref) in CASES.items():
     out = [out] if isinstance(out, torch.Tensor) else list(out)
     assert len(out) == len(ref), name

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
+import typing
 from collections.abc import Callable, Iterator
 
 import torch
@@ -282,21 +284,27 @@ class FusedOp:
         self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args, schema=schema)
         self.op.register_fake(fake)
         self.autograd = None
+        # an op returning list[Tensor]: torch.autograd.Function returns (and passes gradients as) a tuple
+        self.list_output = typing.get_origin(inspect.signature(impl, eval_str=True).return_annotation) is list
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
 
             def forward(ctx, *args):
                 output = impl(*args)
                 setup_context(ctx, args, output)
-                return output
+                return tuple(output) if self.list_output else output
+
+            def backward_of_apply(ctx, *grads):
+                return backward(ctx, *([list(grads)] if self.list_output else grads))
 
             self.autograd = type(f"{name}_autograd", (torch.autograd.Function,),
-                                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+                                 {"forward": staticmethod(forward), "backward": staticmethod(backward_of_apply)})
 
     def __call__(self, *args):
         if (not self.direct or torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
                 or is_fake(args[0])):
             return self.op(*args)
         if self.autograd is not None and torch.is_grad_enabled():
-            return self.autograd.apply(*args)
+            output = self.autograd.apply(*args)
+            return list(output) if self.list_output else output
         return self.impl(*args)

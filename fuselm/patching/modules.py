@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from fuselm.backend import runs_triton
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
+from fuselm.ops.lora import lora_add, lora_add_reference, lora_add_shared
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 
@@ -109,11 +111,12 @@ def gated_mlp(mlp: nn.Module, spec: MlpSpec, x: Tensor) -> Tensor:
     """``output(act(gate(x)) * up(x))`` through ``mlp``'s own projections; x: [..., hidden] -> [..., hidden]."""
     gated = _GATED[spec.activation]
     if len(spec.inputs) == 1:
-        hidden = gated(getattr(mlp, spec.inputs[0])(x))
+        gate, up = getattr(mlp, spec.inputs[0])(x), None
+        hidden = gated(gate)
     else:
-        gate = getattr(mlp, spec.inputs[0])(x)
-        hidden = gated(*_promoted(gate, getattr(mlp, spec.inputs[1])(x)))
-    return getattr(mlp, spec.output)(hidden)
+        gate, up = shared_projections([getattr(mlp, name) for name in spec.inputs], x)
+        hidden = gated(*_promoted(gate, up))
+    return down_projection(getattr(mlp, spec.output), hidden, gate, up, spec.activation)
 
 
 class FusedGatedMLP:
@@ -246,3 +249,118 @@ def _cache_of(kwargs: dict):
     """The cache a decoder layer was given (transformers >= 5.24 names it ``cache``, earlier ``past_key_values``)."""
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
+
+
+# ----------------------------------------------------------------------------------- LoRA
+def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] | None:
+    """(A, B, scaling) when this call of the PEFT LoRA ``layer`` may run as ``lora_add(x, base_layer(x), A, B,
+    scaling)``, else None (PEFT's own forward runs).
+
+    Decided per call, as PEFT decides: one active, unmerged adapter, adapters enabled, plain LoRA (no DoRA or other
+    variant, no lora_bias), its dropout inactive (p = 0, or eval mode), no hook on the adapter's submodules (the
+    fused path does not call them), a Python number as scaling, the fused path on for x (``fuselm.backend``), and
+    autocast off or casting to x's own dtype (then the fused path's arithmetic is autocast's).
+    """
+    if layer.disable_adapters or layer.merged or not x.is_floating_point() or not runs_triton(x):
+        return None
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(names) != 1:
+        return None
+    name = names[0]
+    lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    if (name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name) or lora_b.bias is not None
+            or (dropout.training and getattr(dropout, "p", 0.0) > 0) or hooked(lora_a) or hooked(lora_b)):
+        return None
+    device = x.device.type
+    scaling = layer.scaling[name]
+    if (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype) or isinstance(
+            scaling, bool) or not isinstance(scaling, (int, float)):
+        return None
+    return lora_a.weight, lora_b.weight, scaling
+
+
+class FusedLoraLinear:
+    """A PEFT LoRA layer whose adapter branch runs as ``fuselm.lora_add`` (see ``fuselm/ops/lora.py``): the base
+    layer's own forward (``nn.Linear``, bitsandbytes 4-bit, ...), then the branch on tensor cores in x's dtype,
+    with no fp32 copy of x. Calls that :func:`lora_call_args` refuses run PEFT's forward.
+
+    q/k/v share one read of x: the first fused one of an attention's q/k/v projections (which HF calls first)
+    holds the others (:data:`SHARES_INPUT_WITH`, linked by ``patch``), computes all their outputs in one
+    ``lora_add_shared`` and leaves theirs on x, *primed* as the residual stream is for the norms (module docstring):
+    each takes its output only if it receives that very tensor unmodified; priming is off under torch.compile and
+    in inference mode.
+    """
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if args or kwargs:
+            return super().forward(x, *args, **kwargs)
+        primed = _take_primed_output(x, self)
+        if primed is not None:
+            return primed
+        adapter = lora_call_args(self, x)
+        if adapter is None:
+            return super().forward(x)
+        siblings = self.__dict__.get(SHARES_INPUT_WITH)
+        if siblings and _can_prime(x):
+            adapters = _fused_adapters(siblings, x)
+            if adapters is not None:
+                own, *others = _lora_outputs([self, *siblings], [adapter, *adapters], x)
+                setattr(x, _PRIMED_OUTPUTS, (x._version, dict(zip(siblings, others))))
+                return own
+        return _lora_outputs([self], [adapter], x)[0]
+
+
+SHARES_INPUT_WITH = "_fuselm_shares_input_with"  # in a fused LoRA q_proj's __dict__: the k/v layers it computes too
+_PRIMED_OUTPUTS = "_fuselm_primed_outputs"  # on an attention's input: (version, {LoRA layer: its output})
+
+
+def _can_prime(x: Tensor) -> bool:
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or x.is_inference())
+
+
+def _take_primed_output(x: Tensor, layer: nn.Module) -> Tensor | None:
+    if not _can_prime(x):
+        return None
+    primed = getattr(x, _PRIMED_OUTPUTS, None)
+    if primed is None:
+        return None
+    version, outputs = primed
+    output = outputs.pop(layer, None)
+    if not outputs:
+        delattr(x, _PRIMED_OUTPUTS)
+    return output if version == x._version else None
+
+
+def _fused_adapters(layers: list[nn.Module], x: Tensor) -> list[tuple[Tensor, Tensor, float]] | None:
+    """Each layer's :func:`lora_call_args` when all are fused LoRA layers no hook watches that may fuse this call."""
+    adapters = [lora_call_args(layer, x) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
+                for layer in layers]
+    return None if None in adapters else adapters
+
+
+def _lora_outputs(layers: list[nn.Module], adapters: list[tuple[Tensor, Tensor, float]], x: Tensor) -> list[Tensor]:
+    """The layers' outputs for x: their base layers' own outputs plus their branches in one ``lora_add_shared``."""
+    base_outs = [layer.base_layer(x) for layer in layers]
+    if any(out.dtype != x.dtype for out in base_outs):  # a base layer that returns another dtype: PEFT's arithmetic
+        return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
+    lora_as, lora_bs, scalings = zip(*adapters)
+    return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+
+
+def shared_projections(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
+    """``[layer(x) for layer in layers]``, with one read of x for all LoRA branches when every layer is a fused LoRA
+    layer no hook watches and every call may take the fused path; else each layer is called."""
+    adapters = _fused_adapters(layers, x)
+    return [layer(x) for layer in layers] if adapters is None else _lora_outputs(layers, adapters, x)
+
+
+def down_projection(layer: nn.Module, hidden: Tensor, gate: Tensor, up: Tensor | None, activation: str) -> Tensor:
+    """``layer(hidden)`` for hidden = act(gate) * up (up None: gate packed); a fused LoRA layer's branch keeps gate
+    and up for backward, not hidden (see ``lora_add``'s ``glu_inputs``)."""
+    adapter = lora_call_args(layer, hidden) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
+    if adapter is None or hidden.dtype != gate.dtype or (up is not None and up.dtype != gate.dtype):
+        return layer(hidden)
+    base_out = layer.base_layer(hidden)
+    if base_out.dtype != hidden.dtype:
+        return lora_add_reference(hidden, base_out, *adapter)
+    return lora_add(hidden, base_out, *adapter, glu_inputs=(gate, up, activation))

@@ -21,19 +21,19 @@ from fuselm.backend import path_name
 from fuselm.patching.classes import ORIGINAL
 from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks
 from fuselm.patching.families import family_of
-from fuselm.patching.modules import NEXT_NORM, FusedDecoderLayer
+from fuselm.patching.modules import NEXT_NORM, SHARES_INPUT_WITH, FusedDecoderLayer, FusedLoraLinear
 from fuselm.patching.recognise import Recogniser, kind_of
 from fuselm.patching.report import KindReport, PatchReport
 
 # The kinds of module, patched phase by phase: a decoder layer fuses into the norms patched before it.
-MODULE_PHASE = ("rms_norm", "rope", "mlp")
+MODULE_PHASE = ("rms_norm", "rope", "mlp", "lora")
 LAYER_PHASE = ("decoder_layer", "loss")
 PHASES = (MODULE_PHASE, LAYER_PHASE)
 KINDS = MODULE_PHASE + LAYER_PHASE
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True,
-          decoder_layer: bool = True, loss: bool = True) -> PatchReport:
+          decoder_layer: bool = True, loss: bool = True, lora: bool = True) -> PatchReport:
     """Route this model instance's matching modules to fuselm's fused ops; returns what was done.
 
     Only ``model`` changes (its modules' classes; see :func:`unpatch`); patching twice is harmless
@@ -51,6 +51,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             (needs ``rms_norm``).
         loss: the ``*ForCausalLM`` training loss -> ``fuselm.linear_cross_entropy``, without the
             [tokens, vocab] logits (see :mod:`fuselm.patching.loss` for when it falls back to HF's).
+        lora: PEFT LoRA layers (one active adapter, no dropout, no DoRA, around an ``nn.Linear`` or a bitsandbytes
+            ``Linear4bit``) -> ``fuselm.lora_add`` after the base layer, on tensor cores without an fp32 copy of x;
+            q/k/v and a fused MLP's gate/up share one read of x. Only layers that exist when ``patch`` runs: call
+            it after ``peft.get_peft_model`` (patched before, the model trains on PEFT's own LoRA forward; patching
+            again after ``get_peft_model`` adds the fusion).
 
     Training with HF ``Trainer`` or TRL ``SFTTrainer``, one line before building the trainer::
 
@@ -63,7 +68,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     unpatch(model)
-    enabled = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "decoder_layer": decoder_layer, "loss": loss}
+    enabled = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "decoder_layer": decoder_layer, "loss": loss,
+               "lora": lora}
     kinds = {kind: KindReport() for kind in KINDS}
     recogniser = Recogniser(decoder_layer_needs_norms=rms_norm)
     for phase in PHASES:
@@ -89,6 +95,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
                 module.__class__ = fused
                 entry.patched += 1
     _link_next_norms(model)
+    _link_shared_inputs(model)
     parameter = next(model.parameters(), None)
     ops_path = path_name(parameter.device) if parameter is not None else path_name("cpu")
     return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model))
@@ -113,6 +120,7 @@ def unpatch(model: nn.Module) -> int:
             module.__class__ = original
             restored += 1
         module.__dict__.pop(NEXT_NORM, None)
+        module.__dict__.pop(SHARES_INPUT_WITH, None)
         module.__dict__.pop(ATTENTION_FACTS, None)
     return restored
 
@@ -146,3 +154,17 @@ def _link_next_norms(model: nn.Module) -> None:
                 owner, attribute = ((layers[i + 1], "input_layernorm") if i + 1 < len(layers)
                                     else (parent, family_of(type(layer)).final_norm))
                 layer.__dict__[NEXT_NORM] = getattr(owner, attribute, None)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")  # in the order HF's attention forwards call them (every family in the table)
+
+
+def _link_shared_inputs(model: nn.Module) -> None:
+    """Give the first fused LoRA layer among each module's q/k/v projections the others, which it computes with
+    its own output from one read of their shared input (see :class:`FusedLoraLinear`). Plain attributes, kept out
+    of ``_modules``, as the next-norm links are."""
+    for module in model.modules():
+        layers = [getattr(module, name, None) for name in _QKV]
+        fused = [layer for layer in layers if isinstance(layer, FusedLoraLinear)]
+        if len(fused) > 1:
+            fused[0].__dict__[SHARES_INPUT_WITH] = tuple(fused[1:])

@@ -41,6 +41,7 @@ from fuselm.patching.loss import fused_causal_lm_class, loss_unsupported_reason
 from fuselm.patching.modules import (
     FusedDecoderLayer,
     FusedGatedMLP,
+    FusedLoraLinear,
     FusedRMSNorm,
     LayerSpec,
     MlpSpec,
@@ -52,10 +53,14 @@ from fuselm.patching.modules import (
 _CLASS_SUFFIXES = {"rms_norm": ("rmsnorm",), "rope": ("attention",), "mlp": ("mlp", "moeblock", "moe"),
                    "decoder_layer": ("decoderlayer",), "loss": ("forcausallm",)}
 _ROPE_FUNCTION = "apply_rotary_pos_emb"
+# PEFT's LoRA layers around an nn.Linear and bitsandbytes' 4-bit and (counted, left alone) 8-bit linears
+_LORA_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 
 
 def kind_of(cls: type) -> str | None:
     """Which kind of module (a key of fuselm.patch's options) a class is a candidate for, by its name."""
+    if cls.__name__ in _LORA_CLASSES and cls.__module__.startswith("peft.tuners.lora"):
+        return "lora"
     name = cls.__name__.lower()
     kind = next((kind for kind, suffixes in _CLASS_SUFFIXES.items() if name.endswith(suffixes)), None)
     if kind == "loss" and not any(base.__name__ == "PreTrainedModel" for base in cls.__mro__):
@@ -284,12 +289,43 @@ class Recogniser:
         spec = LayerSpec(positional, attention_defaults, sandwich, family.residual_dropouts)
         return fused_subclass(cls, FusedDecoderLayer, _fuselm_layer=spec)
 
+    def lora(self, module: nn.Module) -> type | str:
+        reason = lora_unsupported_reason(module)
+        return reason if reason is not None else fused_subclass(type(module), FusedLoraLinear)
+
     def loss(self, module: nn.Module) -> type | str:
         reason = loss_unsupported_reason(module)
         return reason if reason is not None else fused_causal_lm_class(type(module))
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def lora_unsupported_reason(layer: nn.Module) -> str | None:
+    """Why the PEFT LoRA ``layer`` cannot get the fused branch (None: it can); what can change per call (adapters
+    disabled or merged, autocast, the backend) is decided per call by ``lora_call_args``."""
+    base = getattr(layer, "base_layer", None)
+    if not (type(base) is nn.Linear or _is_bnb_linear_4bit(type(base))):
+        return f"its base layer is a {type(base).__name__}, not an nn.Linear or a bitsandbytes Linear4bit"
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(names) != 1:
+        return f"{len(names)} active adapters (fused: exactly one)"
+    name = names[0]
+    dropout = layer.lora_dropout[name]
+    if layer.use_dora.get(name):
+        return "DoRA (use_dora=True)"
+    if name in getattr(layer, "lora_variant", {}):
+        return f"LoRA variant {type(layer.lora_variant[name]).__name__}"
+    if layer.lora_B[name].bias is not None:
+        return "lora_bias=True"
+    if getattr(dropout, "p", 0.0) > 0:
+        return f"lora_dropout={dropout.p} > 0 (PEFT's forward draws the dropout mask)"
+    return None
+
+
+def _is_bnb_linear_4bit(cls: type) -> bool:
+    """bitsandbytes' ``Linear4bit`` (or a subclass, e.g. ``LinearNF4``), by name: bitsandbytes may be absent."""
+    return any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes") for c in cls.__mro__)
 
 
 def _settings(module: nn.Module) -> tuple:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_LISTED_WHEN_PRESENT = ("lora",)  # kinds that most models lack: printed only when the model has some
+
 
 @dataclass
 class KindReport:
@@ -39,6 +41,8 @@ class PatchReport:
             return "\n".join(lines)
         width = max(len(kind) for kind in self.kinds) + 1
         for kind, entry in self.kinds.items():
+            if kind in _LISTED_WHEN_PRESENT and not entry.total:
+                continue
             lines.append(f"  {kind + ':':<{width}} {entry.patched}/{entry.total}")
             lines += [f"  {'':<{width}}   {n} × {reason}" for reason, n in entry.left_alone.items()]
         if not any(entry.patched for entry in self.kinds.values()):

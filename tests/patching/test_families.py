@@ -40,8 +40,8 @@ def test_every_module_of_a_listed_family_is_patched(name):
     report = fuselm.patch(tiny_model(name))
     counts = {kind: (entry.patched, entry.total) for kind, entry in report.kinds.items()}
     norms = NORMS.get(name, 5)
-    assert counts == {"rms_norm": (norms, norms), "rope": (2, 2), "mlp": (2, 2), "decoder_layer": (2, 2),
-                      "loss": (1, 1)}
+    assert counts == {"rms_norm": (norms, norms), "rope": (2, 2), "mlp": (2, 2), "lora": (0, 0),
+                      "decoder_layer": (2, 2), "loss": (1, 1)}
     assert all(entry.left_alone == {} for entry in report.kinds.values())
     assert str(report).splitlines()[1:] == [f"  rms_norm:      {norms}/{norms}", "  rope:          2/2",
                                             "  mlp:           2/2", "  decoder_layer: 2/2", "  loss:          1/1",

@@ -1,0 +1,215 @@
+"""Where one LoRA training step's GPU time goes: unpatched HF + PEFT, fuselm.patch without and with the fused LoRA
+projections, on a Llama-3-8B-shaped model (random weights, bf16, sdpa attention, batch 1).
+
+Each variant trains the same PEFT model (r16, alpha 32, all seven projections, fp32 adapters as PEFT keeps them)
+with AdamW: forward, backward, optimizer step. Per variant: the step's time (``timing.median_ms``), tokens/s and
+peak memory, then one profiled step (torch.profiler, CUDA kernels) summed by kind of kernel, named by a regex on the
+kernel's name (:data:`KINDS`, first match wins; the top kernels are kept in the JSON to check the sorting):
+
+- bf16 GEMMs, next to their FLOP time: the frozen base's forward and input-gradient GEMMs and the lm_head's,
+  ``4 · tokens · Σ(K·N)`` FLOPs, at the bf16 GEMM rate measured in the same run (``timing.gemm_tflops``);
+- fp32 SIMT GEMMs (PEFT's fp32 adapters), casts and copies, other elementwise work, attention, fuselm's Triton
+  kernels, the optimizer, the rest.
+
+``--qlora``: the projections as bitsandbytes 4-bit linears (NF4, double quantisation, bf16 compute) under the
+adapters. ``--smoke``: a tiny fp32 model on any device, CPU ops profiled instead of kernels (checks the script).
+Writes benchmarks/results/lora-profile-h200.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+
+import peft
+import torch
+import transformers
+from timing import gemm_tflops, median_ms
+from torch import nn
+
+import fuselm
+from fuselm.ops import attention, cross_entropy, decode_linear, glu, rms_norm, rope
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _fuselm_kernel_names() -> set[str]:
+    """The function names of fuselm's Triton kernels (a kernel appears in a profile under its function's name)."""
+    names = set()
+    for module in (attention, cross_entropy, decode_linear, glu, rms_norm, rope):
+        for name, value in vars(module).items():
+            if type(value).__module__.startswith("triton") and hasattr(value, "run"):
+                names.add(name)
+    return names
+
+
+# (kind, regex on the kernel name): the first that matches names the kind
+KINDS = [
+    ("attention", r"flash|fmha|sdpa|attention|cudnn"),
+    ("fp32 SIMT GEMM", r"(gemm|gemv).*f32f32.*ffma|sgemm|f32f32_f32f32.*ffma|gemmSN|gemv2T_kernel_val<int, int, float"),
+    ("bf16 GEMM", r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce|aten::(mm|addmm|bmm|linear|matmul)$"),
+    ("fuselm kernel", "|".join(sorted(_fuselm_kernel_names())) or "$^"),
+    ("optimizer", r"multi_tensor_apply|adam|aten::_foreach"),
+    ("cast / copy", r"copy|cast|convert|Memcpy|Memset|CatArrayBatched|aten::(to|_to_copy|copy_|cat|clone)$"),
+    ("elementwise", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather|fill|softmax|embedding|aten::"),
+]
+
+
+def build(layers: int, smoke: bool, qlora: bool) -> nn.Module:
+    config = transformers.LlamaConfig(**(TINY if smoke else LLAMA_3_8B), num_hidden_layers=layers,
+                                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
+    if qlora:
+        _quantise_projections(model)
+    model.requires_grad_(False)
+    return model
+
+
+def _quantise_projections(model: nn.Module) -> None:
+    """Each decoder-layer projection as a bitsandbytes NF4 Linear4bit (double quantisation, bf16 compute), as
+    ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` makes them."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if name not in TARGETS:
+                    continue
+                quantised = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                              compute_dtype=torch.bfloat16, compress_statistics=True,
+                                              quant_type="nf4")
+                quantised.weight = bnb.nn.Params4bit(linear.weight.data.cpu(), requires_grad=False,
+                                                     compress_statistics=True, quant_type="nf4")
+                setattr(parent, name, quantised.to(linear.weight.device))  # quantised on the move to the GPU
+    model.is_loaded_in_4bit = True  # what PEFT reads to wrap Linear4bit layers in its 4-bit LoRA class
+
+
+def base_gemm_flops(config, tokens: int) -> float:
+    """FLOPs of the frozen base's GEMMs in a step: forward and input gradient (no weight gradient) of every
+    projection and of the lm_head, 2 · tokens · K · N each."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
+    per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter
+    return 2 * 2 * tokens * (config.num_hidden_layers * per_layer + hidden * vocab)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
+
+
+def profile_step(step, cuda: bool) -> tuple[dict[str, float], list[dict]]:
+    """GPU (or, without CUDA, CPU) self time in ms per kind of kernel for one call of ``step``, and the top kernels."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    by_kind: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        if event.device_type != wanted:
+            continue
+        self_us = getattr(event, "self_device_time_total" if cuda else "self_cpu_time_total")
+        if self_us <= 0:
+            continue
+        kind = kind_of(event.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + self_us / 1e3
+        kernels.append({"name": event.key[:160], "kind": kind, "ms": self_us / 1e3, "calls": event.count})
+    kernels.sort(key=lambda k: -k["ms"])
+    return dict(sorted(by_kind.items(), key=lambda item: -item[1])), kernels[:40]
+
+
+def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool) -> dict:
+    """Time, memory and profile of AdamW LoRA steps of ``model`` (a PEFT model) patched as ``variant`` says."""
+    fuselm.unpatch(model)
+    report = None
+    if variant != "unpatched":
+        report = str(fuselm.patch(model, lora=variant == "fuselm.patch"))
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(adapters, lr=1e-5)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step_ms = median_ms(step, min_repeats=3)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    by_kind, kernels = profile_step(step, cuda)
+    print(f"{variant}: {step_ms:.1f} ms/step, {ids.numel() / step_ms * 1e3:.0f} tok/s, peak {peak:.1f} GiB, "
+          f"profiled {sum(by_kind.values()):.1f} ms", flush=True)
+    return {"variant": variant, "step_ms": step_ms, "tok_per_s": ids.numel() / step_ms * 1e3, "peak_gib": peak,
+            "profiled_ms": sum(by_kind.values()), "ms_by_kind": by_kind, "top_kernels": kernels,
+            "patch_report": report}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--qlora", action="store_true", help="bitsandbytes NF4 base projections")
+    parser.add_argument("--variants", nargs="+", default=["unpatched", "fuselm.patch(lora=False)", "fuselm.patch"])
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/lora-profile-h200.json "
+                                                    "(qlora-profile-h200.json with --qlora; /tmp with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    name = "qlora-profile" if args.qlora else "lora-profile"
+    out_path = args.out or (f"/tmp/{name}-smoke.json" if args.smoke else f"benchmarks/results/{name}-h200.json")
+    model = build(args.layers, args.smoke, args.qlora)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    with torch.no_grad():  # PEFT starts B at zero; a trained-looking B makes every branch's work real
+        for param_name, param in model.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(std=0.01)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(model.parameters()).device)
+    tflops = gemm_tflops() if cuda else float("nan")
+    flops = base_gemm_flops(model.config, args.tokens)
+    runs = [measure(model, variant, ids, cuda) for variant in args.variants]
+    results = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+        "transformers": transformers.__version__, "peft": peft.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": f"Llama-3-8B shape ({args.layers} layers), random weights, "
+                 + ("NF4 projections (bitsandbytes), " if args.qlora else "bf16, ")
+                 + f"LoRA r16 alpha 32 on {len(TARGETS)} projections, fp32 adapters, AdamW, batch 1",
+        "tokens": args.tokens,
+        "base_gemm_tflop": flops / 1e12,
+        "bf16_gemm_tflops_measured": tflops,
+        "base_gemm_flop_time_ms": flops / (tflops * 1e12) * 1e3,
+        "kinds": {kind: pattern for kind, pattern in KINDS},
+        "runs": runs,
+    }
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
+    kinds = sorted({kind for run in runs for kind in run["ms_by_kind"]}, key=lambda k: -runs[0]["ms_by_kind"].get(k, 0))
+    unit = "GPU ms" if cuda else "CPU ms"
+    print(f"\n{unit + ' per step by kind':<34}" + "".join(f"{run['variant']:>28}" for run in runs))
+    for kind in kinds:
+        print(f"{kind:<34}" + "".join(f"{run['ms_by_kind'].get(kind, 0.0):>28.1f}" for run in runs))
+    print(f"{'total profiled':<34}" + "".join(f"{run['profiled_ms']:>28.1f}" for run in runs))
+    print(f"{'step (median_ms)':<34}" + "".join(f"{run['step_ms']:>28.1f}" for run in runs))
+    print(f"{'tok/s':<34}" + "".join(f"{run['tok_per_s']:>28.0f}" for run in runs))
+    print(f"{'peak GiB':<34}" + "".join(f"{run['peak_gib']:>28.1f}" for run in runs))
+    print(f"base GEMMs: {flops / 1e12:.1f} TFLOP = {results['base_gemm_flop_time_ms']:.1f} ms at the measured "
+          f"{tflops:.0f} TFLOP/s (4 · tokens · Σ K·N over the projections and the lm_head); written to {out_path}")
+
+
+if __name__ == "__main__":
+    main()

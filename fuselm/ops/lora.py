@@ -1,0 +1,233 @@
+"""LoRA's branch added to its base projection, ``out = base_out + scaling * (x Aᵀ) Bᵀ``: PyTorch reference and the
+``fuselm::`` op. Up to :data:`MAX_SHARED` projections of one input (q/k/v, gate/up) share one read of x.
+
+Shapes: x [..., K]; per projection, base_out [..., N] (the base layer's output, any base: ``nn.Linear``, a
+bitsandbytes 4-bit linear, ...), A [r, K], B [N, r], ``scaling`` a float (alpha / r, or alpha / sqrt(r) for rsLoRA).
+
+PEFT (``autocast_adapter_dtype=True``, its default) keeps A and B in fp32 and, per LoRA layer, casts x to an fp32
+copy, runs both adapter GEMMs in fp32 (SIMT, no tensor cores), makes an fp32 [..., N] product, scales it, adds the
+base output promoted to fp32 and casts the sum back: several full-size fp32 passes, and an fp32 copy of x kept for
+backward by every LoRA layer. The fused path instead computes in x's dtype on tensor cores with fp32 accumulation,
+casting only the small adapters (A, B: r·(K + N) elements) to x's dtype; no fp32 copy of x exists:
+
+    forward   t = x [A₁; A₂; ...]ᵀ                   one GEMM for the group, [M, Σr], x read once
+              out_i = base_i + s_i · t_i B_iᵀ         cuBLAS addmm: fp32 accumulate, one rounding in the epilogue
+    backward  u_i = dy_i B_i                         [M, r_i]
+              dx = [u₁ | u₂ | ...] [s₁A₁; s₂A₂; ...]  one GEMM for the group (the LoRA part of dx only)
+              dA = s · uᵀ x,  dB_i = s_i · dy_iᵀ t_i  bf16/fp16 inputs, fp32 outputs (the adapters' grads stay fp32)
+              d base_i = dy_i                        (the base layer's own autograd carries it on: frozen weights)
+
+Saved for backward: x (in its dtype; one tensor for the whole group) and t ([M, Σr], r/K of x's size); nothing in
+fp32, nothing of size [M, N]. The down projection's x, the GLU's output, is not kept: given ``glu_inputs`` backward
+recomputes it from gate and up, which the GLU's backward keeps anyway (one elementwise pass instead of [M, I]
+more memory per layer). t goes through HBM once each way: it is Σr columns wide, and keeping it (rather than
+recomputing x Aᵀ) saves a read of x in backward. Every step is a cuBLAS GEMM whose epilogue does the adds and the
+scaling; no elementwise kernel is left to fuse, so there is no Triton kernel here (a Triton GEMM would have to beat
+cuBLAS on the base-sized products). The base GEMM stays the base layer's own call, so quantised bases work alike.
+
+Both paths give ``out`` in base_out's dtype. The reference is PEFT's own arithmetic (fp32 branch when A is fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fuselm.backend import runs_triton
+from fuselm.ops._common import FusedOp, as_rows, check_real, check_same, check_same_device, check_tensor
+from fuselm.ops.glu import gelu_tanh_mul, silu_mul
+
+MAX_SHARED = 3  # projections of one input in one op call: q/k/v
+GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+_MM_FP32_OUT = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=): torch >= 2.8 on CUDA
+
+
+# ----------------------------------------------------------------------------------- reference
+def lora_add_reference(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+    """PEFT's LoRA arithmetic: ``(base_out + B(A(x in A's dtype)) * scaling)`` in base_out's dtype. Shapes as
+    :func:`lora_add`."""
+    branch = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b) * scaling
+    return (base_out + branch).to(base_out.dtype)
+
+
+# ----------------------------------------------------------------------------------- fused path
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with fp32 accumulation and an fp32 result, on tensor cores for half-precision a and b."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_FP32_OUT:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda:  # older torch: the product rounded to a's dtype
+        return (a @ b).float()
+    return a.float() @ b.float()  # CPU: products of half-precision numbers are exact in fp32, as on tensor cores
+
+
+def _projections(args: tuple) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(base_out, A, B) per projection in the op's flat arguments (base0, a0, b0, base1, ...; None after the last)."""
+    return [tuple(args[i:i + 3]) for i in range(0, 3 * MAX_SHARED, 3) if args[i] is not None]
+
+
+def _stacked(adapters: list[Tensor], dtype: torch.dtype, scalings: Sequence[float] | None = None) -> Tensor:
+    """The A matrices [r_i, K] (times scaling_i) stacked into one [Σr, K] in ``dtype``: small copies."""
+    if scalings is not None:
+        adapters = [a * s for a, s in zip(adapters, scalings)]
+    return torch.cat([a.to(dtype) for a in adapters]) if len(adapters) > 1 else adapters[0].to(dtype)
+
+
+def _lora_add_impl(x: Tensor, base0: Tensor, a0: Tensor, b0: Tensor, base1: Tensor | None, a1: Tensor | None,
+                   b1: Tensor | None, base2: Tensor | None, a2: Tensor | None, b2: Tensor | None,
+                   gate: Tensor | None, up: Tensor | None, scalings: list[float], activation: str) -> list[Tensor]:
+    """[out_0, ..., out_{n-1}, t]: t = x Aᵀ [M, Σr] in x's dtype, returned for backward (not differentiable).
+    ``gate`` given: x is ``GATED[activation](gate, up)``, which backward recomputes instead of keeping x."""
+    projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
+    with torch.autocast(x.device.type, enabled=False):
+        rows = as_rows(x)
+        t = rows @ _stacked([a for _, a, _ in projections], x.dtype).t()
+        outs, start = [], 0
+        for (base, a, b), scaling in zip(projections, scalings):
+            rank = a.shape[0]
+            out = torch.addmm(as_rows(base), t[:, start:start + rank], b.to(x.dtype).t(), alpha=scaling)
+            outs.append(out.view(base.shape))
+            start += rank
+    return [*outs, t]
+
+
+def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, scalings, activation):
+    projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
+    rank = sum(a.shape[0] for _, a, _ in projections)
+    return [base.new_empty(base.shape) for base, _, _ in projections] + [x.new_empty((x.numel() // x.shape[-1], rank))]
+
+
+def _setup_lora_add(ctx, inputs, output):
+    x, *flat, gate, up, scalings, activation = inputs
+    projections = _projections(tuple(flat))
+    t = output[-1]
+    ctx.mark_non_differentiable(t)
+    ctx.set_materialize_grads(False)  # an output nobody used (t, or a projection) gets None, not zeros
+    # x, or the GLU's inputs it is made from (which the GLU's own backward keeps anyway)
+    kept = (x, None) if gate is None else (gate, up)
+    ctx.save_for_backward(*kept, t, *(a for _, a, _ in projections), *(b for _, _, b in projections))
+    ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
+
+
+def _backward_lora_add(ctx, grads):
+    x, up, t, *adapters = ctx.saved_tensors
+    count = len(adapters) // 2
+    lora_as, lora_bs, scalings = adapters[:count], adapters[count:], ctx.scalings
+    needs = ctx.needs_input_grad
+    if ctx.recompute:  # x saved as the GLU's inputs (gate, up): x again, as the forward's GLU made it
+        with torch.no_grad():
+            x = GATED[ctx.activation](x, up)
+    dtype = x.dtype
+    rows = as_rows(x)
+    result = [None] * (1 + 3 * MAX_SHARED + 4)
+    with torch.autocast(x.device.type, enabled=False):
+        dys = [None if dy is None else as_rows(dy) for dy in grads[:count]]
+        # u_i = dy_i B_i; zero where the projection's output got no gradient (its adapters then get none)
+        us = [rows.new_zeros((rows.shape[0], b.shape[1])) if dy is None else dy @ b.to(dtype)
+              for dy, b in zip(dys, lora_bs)]
+        start = 0
+        for i, (dy, a, b, scaling) in enumerate(zip(dys, lora_as, lora_bs, scalings)):
+            rank = a.shape[0]
+            result[1 + 3 * i] = grads[i] if needs[1 + 3 * i] else None  # the base output's gradient passes through
+            if needs[2 + 3 * i] and dy is not None:
+                result[2 + 3 * i] = (_mm_fp32(us[i].t(), rows) * scaling).to(a.dtype)
+            if needs[3 + 3 * i] and dy is not None:
+                result[3 + 3 * i] = (_mm_fp32(dy.t(), t[:, start:start + rank]) * scaling).to(b.dtype)
+            start += rank
+        if needs[0]:
+            u = torch.cat(us, dim=1) if count > 1 else us[0]
+            result[0] = (u @ _stacked(list(lora_as), dtype, scalings)).view(x.shape)
+    return tuple(result)
+
+
+LORA_ADD = FusedOp("lora_add", _lora_add_impl, fake=_lora_add_fake, setup_context=_setup_lora_add,
+                   backward=_backward_lora_add)
+
+
+# ----------------------------------------------------------------------------------- public API
+def _check(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
+           scalings: Sequence[float]) -> list[float]:
+    check_tensor("x", x)
+    if not 1 <= len(base_outs) <= MAX_SHARED or not len(base_outs) == len(lora_as) == len(lora_bs) == len(scalings):
+        raise ValueError(f"base_outs, lora_as, lora_bs and scalings must have one entry per projection (1 to "
+                         f"{MAX_SHARED}), got {len(base_outs)}, {len(lora_as)}, {len(lora_bs)}, {len(scalings)}")
+    in_features = x.shape[-1]
+    for i, (base, a, b) in enumerate(zip(base_outs, lora_as, lora_bs)):
+        check_tensor(f"base_outs[{i}]", base)
+        check_tensor(f"lora_as[{i}]", a, rank=2)
+        check_tensor(f"lora_bs[{i}]", b, rank=2)
+        if base.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"base_outs[{i}] has shape {tuple(base.shape)} but x has shape {tuple(x.shape)}: "
+                             "their leading dimensions must agree")
+        if a.shape[1] != in_features or b.shape != (base.shape[-1], a.shape[0]) or a.shape[0] == 0:
+            raise ValueError(f"lora_as[{i}] must be [r, {in_features}] and lora_bs[{i}] [{base.shape[-1]}, r] with "
+                             f"r >= 1, got {tuple(a.shape)} and {tuple(b.shape)}")
+        if base.dtype != x.dtype:
+            raise TypeError(f"base_outs[{i}] has dtype {base.dtype} but x has dtype {x.dtype}")
+        if b.dtype != a.dtype:
+            raise TypeError(f"lora_bs[{i}] has dtype {b.dtype} but lora_as[{i}] has dtype {a.dtype}")
+        check_same_device("x", x, **{f"base_outs[{i}]": base, f"lora_as[{i}]": a, f"lora_bs[{i}]": b})
+    return [check_real(f"scalings[{i}]", s) for i, s in enumerate(scalings)]
+
+
+def lora_add_shared(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
+                    scalings: Sequence[float], *, glu_inputs: tuple[Tensor, Tensor | None, str] | None = None
+                    ) -> list[Tensor]:
+    """:func:`lora_add` for up to three projections of the same input (q/k/v, gate/up): x is read once.
+
+    Args:
+        x: [..., K], fp32/fp16/bf16 (any float dtype on the reference path).
+        base_outs: per projection its base layer's output [..., N_i], in x's dtype.
+        lora_as: per projection A [r_i, K]; lora_bs: B [N_i, r_i], B in A's dtype (any float dtype, e.g. fp32 masters).
+        scalings: per projection a Python float.
+        glu_inputs: (gate, up, activation) when x is ``silu_mul(gate, up)`` or ``gelu_tanh_mul(gate, up)``
+            (activation "silu" or "gelu_tanh"; up None: gate is the packed [..., 2K] tensor), the down projection's
+            input: backward then recomputes x from them (which the GLU's backward keeps anyway) instead of keeping x.
+
+    Returns:
+        per projection ``base_out + scaling * (x Aᵀ) Bᵀ`` [..., N_i] in x's dtype. Gradients flow to x (the LoRA
+        part; the base output's gradient is passed to the base layer unchanged), the base outputs, A and B.
+    """
+    scalings = _check(x, base_outs, lora_as, lora_bs, scalings)
+    gate, up, activation = _check_glu_inputs(x, glu_inputs)
+    if not runs_triton(x):
+        return [lora_add_reference(x, *args) for args in zip(base_outs, lora_as, lora_bs, scalings)]
+    flat = [tensor for projection in zip(base_outs, lora_as, lora_bs) for tensor in projection]
+    flat += [None] * (3 * MAX_SHARED - len(flat))
+    return LORA_ADD(x, *flat, gate, up, scalings, activation)[:-1]
+
+
+def _check_glu_inputs(x: Tensor, glu_inputs: tuple | None) -> tuple[Tensor | None, Tensor | None, str]:
+    if glu_inputs is None:
+        return None, None, "silu"
+    gate, up, activation = glu_inputs
+    if activation not in GATED:
+        raise ValueError(f"glu_inputs' activation must be one of {tuple(GATED)}, got {activation!r}")
+    width = x.shape[-1] * (2 if up is None else 1)
+    if check_tensor("glu_inputs' gate", gate).shape != (*x.shape[:-1], width):
+        raise ValueError(f"glu_inputs' gate has shape {tuple(gate.shape)}, but x {tuple(x.shape)} is made from it")
+    if up is not None and check_tensor("glu_inputs' up", up).shape != gate.shape:
+        raise ValueError(f"glu_inputs' up has shape {tuple(up.shape)} but its gate has shape {tuple(gate.shape)}")
+    check_same("x", x, **{"glu_inputs' gate": gate, "glu_inputs' up": up})
+    return gate, up, activation
+
+
+def lora_add(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, *,
+             glu_inputs: tuple[Tensor, Tensor | None, str] | None = None) -> Tensor:
+    """A LoRA layer's output: ``base_out + scaling * (x Aᵀ) Bᵀ`` (the module docstring says how it is computed).
+
+    Args:
+        x: [..., K] the layer's input, fp32/fp16/bf16 (any float dtype on the reference path).
+        base_out: [..., N] the base layer's output for x, in x's dtype.
+        lora_a: A [r, K]; lora_b: B [N, r], in one float dtype (fp32 as PEFT keeps them, or x's).
+        scaling: a Python float (alpha / r; alpha / sqrt(r) for rsLoRA).
+        glu_inputs: as :func:`lora_add_shared`'s (the down projection: x recomputed in backward).
+
+    Returns:
+        [..., N] in x's dtype.
+    """
+    return lora_add_shared(x, [base_out], [lora_a], [lora_b], [scaling], glu_inputs=glu_inputs)[0]

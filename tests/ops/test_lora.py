@@ -1,0 +1,236 @@
+import math
+
+import pytest
+import torch
+
+import fuselm
+from fuselm.ops.lora import lora_add_reference
+from tests.helpers import TOLERANCE, assert_close, assert_compiles_like_eager, float64_leaf, grads, randn
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (leading shape of x, K, [(N, r) per projection]): odd sizes, rank 1, no rows, three projections of one x
+CASES = [((5,), 37, [(19, 1)]), ((2, 3), 24, [(40, 4)]), ((0,), 16, [(8, 2)]),
+         ((7,), 33, [(33, 3), (9, 5)]), ((2, 5), 20, [(24, 4), (12, 4), (12, 1)])]
+
+
+def _float64_outputs(x, base_outs, lora_as, lora_bs, scalings):
+    """The projections' outputs and the float64 reference of each, with the same leaves and float64 copies."""
+    leaves = [x, *base_outs, *lora_as, *lora_bs]
+    leaves64 = [float64_leaf(t) for t in leaves]
+    x64, rest = leaves64[0], leaves64[1:]
+    n = len(base_outs)
+    outs64 = [lora_add_reference(x64, base, a, b, s)
+              for base, a, b, s in zip(rest[:n], rest[n:2 * n], rest[2 * n:], scalings)]
+    return leaves, leaves64, outs64
+
+
+def _inputs(lead, k, projections, dtype, adapter_dtype, device):
+    x = randn(*lead, k, dtype=dtype, device=device, requires_grad=True)
+    base_outs = [randn(*lead, n, dtype=dtype, device=device, requires_grad=True) for n, _ in projections]
+    # B as large as A, as after some training (PEFT initialises B to zeros)
+    lora_as = [randn(r, k, dtype=adapter_dtype, device=device, requires_grad=True, scale=k ** -0.5)
+               for _, r in projections]
+    lora_bs = [randn(n, r, dtype=adapter_dtype, device=device, requires_grad=True) for n, r in projections]
+    ranks = [r for _, r in projections]
+    scalings = [16 / ranks[0], 16 / math.sqrt(ranks[-1]), 0.5][:len(projections)]  # alpha / r, rsLoRA's, any
+    return x, base_outs, lora_as, lora_bs, scalings
+
+
+@pytest.mark.parametrize("lead,k,projections", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("adapters", ["fp32", "x's dtype"])
+def test_outputs_and_gradients_match_float64(path, device, lead, k, projections, dtype, adapters):
+    adapter_dtype = torch.float32 if adapters == "fp32" else dtype
+    x, base_outs, lora_as, lora_bs, scalings = _inputs(lead, k, projections, dtype, adapter_dtype, device)
+    if len(projections) == 1:
+        outs = [fuselm.lora_add(x, base_outs[0], lora_as[0], lora_bs[0], scalings[0])]
+    else:
+        outs = fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    upstream = [randn(*out.shape, dtype=dtype, device=device) for out in outs]
+    leaves, leaves64, outs64 = _float64_outputs(x, base_outs, lora_as, lora_bs, scalings)
+    got = grads(outs, leaves, upstream)
+    expected = grads(outs64, leaves64, [dy.double() for dy in upstream])
+    for i, (out, out64) in enumerate(zip(outs, outs64)):
+        assert out.dtype == dtype and out.shape == out64.shape
+        assert_close(out, out64, dtype, f"out {i}")
+    # the adapters' gradients are fp32 masters' gradients made from half-precision products: x's dtype's bound
+    for leaf, grad, grad64 in zip(leaves, got, expected):
+        assert grad.dtype == leaf.dtype
+        assert_close(grad, grad64, dtype, f"gradient of a {tuple(leaf.shape)} {leaf.dtype} input")
+
+
+def test_shared_equals_separate_calls(path, device):
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((6,), 20, [(24, 4), (10, 2), (10, 3)], torch.float32,
+                                                       torch.float32, device)
+    shared = fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    separate = [fuselm.lora_add(x, *args) for args in zip(base_outs, lora_as, lora_bs, scalings)]
+    upstream = [randn(*out.shape, device=device) for out in shared]
+    leaves = [x, *base_outs, *lora_as, *lora_bs]
+    for out, single in zip(shared, separate):
+        assert_close(out, single, torch.float32)
+    for got, expected in zip(grads(shared, leaves, upstream), grads(separate, leaves, upstream)):
+        assert_close(got, expected, torch.float32)
+
+
+def test_only_the_needed_gradients_and_an_unused_output(path, device):
+    """Frozen x and base outputs (the first layer, whose input is an embedding): only A and B get gradients; one
+    projection of a shared call whose output is not used gives its adapters no gradient."""
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((4,), 12, [(8, 2), (6, 2)], torch.bfloat16, torch.float32,
+                                                       device)
+    x.requires_grad_(False)
+    for base in base_outs:
+        base.requires_grad_(False)
+    first, _ = fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    first.float().sum().backward()
+    assert x.grad is None and all(base.grad is None for base in base_outs)
+    assert lora_as[0].grad.abs().sum() > 0 and lora_bs[0].grad.abs().sum() > 0
+    assert lora_as[1].grad is None and lora_bs[1].grad is None
+
+
+def test_non_contiguous_inputs(path, device):
+    x = randn(24, 6, device=device).t().requires_grad_()  # [6, 24], column stride 6
+    base = randn(10, 6, device=device).t().requires_grad_()
+    a = randn(24, 3, device=device).t().requires_grad_()
+    b = randn(10, 3, device=device, requires_grad=True)
+    out = fuselm.lora_add(x, base, a, b, 1.5)
+    upstream = randn(6, 10, device=device).t().contiguous().t()  # a transposed gradient, as from a view
+    leaves, leaves64, (out64,) = _float64_outputs(x, [base], [a], [b], [1.5])
+    assert_close(out, out64, torch.float32)
+    for got, expected in zip(grads(out, leaves, upstream), grads(out64, leaves64, upstream.double())):
+        assert_close(got, expected, torch.float32)
+
+
+def test_inputs_are_not_mutated(path, device):
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((5,), 16, [(8, 2)], torch.bfloat16, torch.float32, device)
+    copies = [t.detach().clone() for t in (x, *base_outs, *lora_as, *lora_bs)]
+    out = fuselm.lora_add(x, base_outs[0], lora_as[0], lora_bs[0], scalings[0])
+    out.float().sum().backward()
+    assert all(torch.equal(t, c) for t, c in zip((x, *base_outs, *lora_as, *lora_bs), copies))
+
+
+def test_nan_propagates(path, device):
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((5,), 16, [(8, 2)], torch.float32, torch.float32, device)
+    with torch.no_grad():
+        x[2, 3] = float("nan")
+    out = fuselm.lora_add(x, base_outs[0], lora_as[0], lora_bs[0], scalings[0])
+    assert torch.isnan(out[2]).all() and not torch.isnan(out[[0, 1, 3, 4]]).any()
+
+
+def test_fused_path_keeps_no_fp32_copy_of_x(device):
+    """What backward keeps: x itself and t = x Aᵀ [M, r] in x's dtype, nothing in fp32 but the adapters."""
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((64,), 48, [(40, 4), (40, 4)], torch.bfloat16,
+                                                       torch.float32, device)
+    saved = []
+    with fuselm.use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                                lambda t: t):
+        fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    kept = sorted((tuple(t.shape), str(t.dtype)) for t in saved)
+    assert kept == sorted([((64, 48), "torch.bfloat16"), ((64, 8), "torch.bfloat16"),
+                           *[((4, 48), "torch.float32")] * 2, *[((40, 4), "torch.float32")] * 2])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_down_projection_recomputes_its_input_from_the_glu(path, device, packed, activation):
+    """With glu_inputs the result and every gradient (through the GLU to gate and up) are those of keeping x, and
+    backward keeps gate and up, which the GLU keeps anyway, instead of x."""
+    gated = {"silu": fuselm.silu_mul, "gelu_tanh": fuselm.gelu_tanh_mul}[activation]
+    gate = randn(6, 2 * 10 if packed else 10, dtype=torch.bfloat16, device=device, requires_grad=True)
+    up = None if packed else randn(6, 10, dtype=torch.bfloat16, device=device, requires_grad=True)
+    base = randn(6, 12, dtype=torch.bfloat16, device=device, requires_grad=True)
+    a, b = randn(3, 10, device=device, requires_grad=True), randn(12, 3, device=device, requires_grad=True)
+    leaves = [t for t in (gate, up, base, a, b) if t is not None]
+    upstream = randn(6, 12, dtype=torch.bfloat16, device=device)
+    results = []
+    for glu_inputs in (None, (gate, up, activation)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            hidden = gated(gate, up)
+            out = fuselm.lora_add(hidden, base, a, b, 0.75, glu_inputs=glu_inputs)
+        results.append((out, grads(out, leaves, upstream), any(t is hidden for t in saved)))
+    (kept_out, kept_grads, hidden_kept), (out, got_grads, hidden_still_kept) = results
+    assert torch.equal(out, kept_out)
+    for got, expected in zip(got_grads, kept_grads):
+        assert torch.equal(got, expected)
+    if path == "triton":  # the reference (PEFT's arithmetic) keeps an fp32 copy of hidden either way
+        assert hidden_kept and not hidden_still_kept
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x, o, a, b: fuselm.lora_add(x, o[:-1], a, b, 1.0), ValueError, "base_outs.0. has shape"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a[:, :-1], b, 1.0), ValueError, "lora_as.0. must be"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b[:-1], 1.0), ValueError, "lora_as.0. must be"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a[:0], b[:, :0], 1.0), ValueError, "r >= 1"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o.double(), a, b, 1.0), TypeError, "base_outs.0. has dtype"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b.double(), 1.0), TypeError, "lora_bs.0. has dtype"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a.to("meta"), b, 1.0), ValueError, "lora_as.0. is on meta"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, torch.tensor(1.0)), TypeError, "scalings.0. must be"),
+        (lambda x, o, a, b: fuselm.lora_add(x.tolist(), o, a, b, 1.0), TypeError, "x must be a torch.Tensor"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a[0], b, 1.0), ValueError, "lora_as.0. must have rank 2"),
+        (lambda x, o, a, b: fuselm.lora_add_shared(x, [o] * 4, [a] * 4, [b] * 4, [1.0] * 4), ValueError,
+         "one entry per projection"),
+        (lambda x, o, a, b: fuselm.lora_add_shared(x, [o, o], [a], [b], [1.0]), ValueError,
+         "one entry per projection"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x, x, "relu")), ValueError,
+         "activation must be one of"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x[:, :-1], None, "silu")), ValueError,
+         "glu_inputs' gate has shape"),
+        (lambda x, o, a, b: fuselm.lora_add(x, o, a, b, 1.0, glu_inputs=(x, x[:-1], "silu")), ValueError,
+         "glu_inputs' up has shape"),
+    ],
+)
+def test_bad_input_names_the_argument(call, error, match):
+    x, out, a, b = randn(4, 8), randn(4, 6), randn(2, 8), randn(6, 2)
+    with pytest.raises(error, match=match):
+        call(x, out, a, b)
+
+
+def test_float64_runs_the_reference_under_auto(device):
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((3,), 8, [(5, 2)], torch.float64, torch.float64, device)
+    with fuselm.use_backend("auto"):
+        got = fuselm.lora_add(x, base_outs[0], lora_as[0], lora_bs[0], scalings[0])
+    assert torch.equal(got, lora_add_reference(x, base_outs[0], lora_as[0], lora_bs[0], scalings[0]))
+
+
+def _two_projections(x, base_q, base_k, a_q, a_k, b_q, b_k):
+    q, k = fuselm.lora_add_shared(x, [base_q, base_k], [a_q, a_k], [b_q, b_k], [2.0, 0.5])
+    return q.sum(-1) * k.sum(-1)
+
+
+def test_torch_compile_fullgraph_traces_the_custom_op(device):
+    x, (base_q, base_k), (a_q, a_k), (b_q, b_k), _ = _inputs((5,), 16, [(8, 2), (6, 3)], torch.float32,
+                                                              torch.float32, device)
+    leaves = (x, base_q, base_k, a_q, a_k, b_q, b_k)
+    assert_compiles_like_eager(_two_projections, leaves, leaves)
+
+
+def test_fused_path_appears_in_profile(device):
+    x, (base_q, base_k), (a_q, a_k), (b_q, b_k), _ = _inputs((5,), 16, [(8, 2), (6, 3)], torch.bfloat16,
+                                                              torch.float32, device)
+    with fuselm.use_backend("triton"), torch.profiler.profile() as prof:
+        _two_projections(x, base_q, base_k, a_q, a_k, b_q, b_k).float().sum().backward()
+    assert "fuselm::lora_add" in {e.key for e in prof.key_averages()}
+    assert a_q.grad is not None and x.grad is not None
+
+
+# ----------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 1])
+def test_gpu_llama_8b_shaped_q_k_v(rank):
+    """q/k/v of Llama-3-8B at 4096 tokens with fp32 adapters: bf16 bounds against float64."""
+    projections = [(4096, rank), (1024, rank), (1024, rank)]
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((4096,), 4096, projections, torch.bfloat16, torch.float32,
+                                                       "cuda")
+    with fuselm.use_backend("triton"):
+        outs = fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
+    upstream = [randn(*out.shape, dtype=torch.bfloat16, device="cuda") for out in outs]
+    leaves, leaves64, outs64 = _float64_outputs(x, base_outs, lora_as, lora_bs, scalings)
+    got = grads(outs, leaves, upstream)
+    expected = grads(outs64, leaves64, [dy.double() for dy in upstream])
+    for out, out64 in zip(outs, outs64):
+        assert_close(out, out64, torch.bfloat16)
+    for grad, grad64 in zip(got, expected):
+        err = (grad.double() - grad64).norm() / grad64.norm()
+        assert err <= TOLERANCE[torch.bfloat16], err
