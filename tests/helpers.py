@@ -1,11 +1,8 @@
-"""Shared checks: relative error against a float64 reference, with NaN never passing; a thread like autograd's."""
-
-import threading
+"""Shared checks: relative error against a float64 reference, with NaN never passing."""
 
 import torch
 
 import fuselm
-from fuselm import backend
 
 # ‖out − ref‖ / ‖ref‖ that each dtype must reach against a float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -55,30 +52,3 @@ def assert_compiles_like_eager(fn, args, leaves) -> None:
     upstream = torch.randn_like(eager)
     for i, (got, expected) in enumerate(zip(grads(compiled, leaves, upstream), grads(eager, leaves, upstream))):
         assert_close(got, expected, torch.float32, f"gradient of leaf {i}")
-
-
-def on_a_worker_like_thread(task):
-    """Runs ``task()`` on a new thread holding what autograd's worker threads (on CUDA, one per device) hold of
-    the caller's state: torch's thread-local state with the caller's fuselm backend block in it (the engine
-    copies the ``at::ThreadLocalState`` of the thread calling backward() into them), and none of its Python
-    thread-locals. A CPU backward has no such thread (it runs on the caller), so the copy is made here by hand.
-    Returns that thread's id; re-raises its error."""
-    handed_over = backend._handed_over()
-    outcome = {}
-
-    def run():
-        outcome["thread"] = threading.get_ident()
-        backend._set_override(None, handed_over)
-        try:
-            task()
-        except BaseException as error:  # handed back to the caller's thread below
-            outcome["error"] = error
-        finally:
-            backend._set_override(None, None)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["thread"]

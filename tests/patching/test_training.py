@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import fuselm
-from tests.helpers import on_a_worker_like_thread, rel_err
+from tests.helpers import rel_err
 from tests.models import VOCAB, tiny_model, token_ids
 from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 
@@ -32,29 +32,6 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(path, na
     # checkpointing it would be 2)
     assert len(calls) == 3 * len(layers), "each patched layer must run once more in backward"
     assert all(calls.count(layer.self_attn) == 3 for layer in layers)
-    assert_same_training_step(got, expected, tolerance=1e-6)
-
-
-def test_checkpointed_backward_on_a_worker_like_thread_recomputes_under_the_block(path):
-    """backward() runs on a thread holding the caller's torch state but none of its Python thread-locals, as
-    autograd's device threads do on CUDA, and the process default is the other backend: the recomputed layers
-    must still take the block's path, which non-reentrant checkpointing checks (it refuses other saved
-    tensors; reentrant checkpointing would not notice, tests/test_backend.py counts its paths)."""
-    model = tiny_model("llama").train()
-    ids = token_ids()
-    expected = loss_logits_grads(model, ids)
-    fuselm.patch(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    previous = fuselm.backend._default
-    fuselm.set_backend("reference" if path == "triton" else "triton")
-    try:
-        model.zero_grad(set_to_none=True)
-        logits = model(ids, use_cache=False).logits.detach()
-        out = model(ids, labels=ids, use_cache=False)
-        on_a_worker_like_thread(out.loss.backward)
-    finally:
-        fuselm.set_backend(previous)
-    got = logits, out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_same_training_step(got, expected, tolerance=1e-6)
 
 
