@@ -126,6 +126,26 @@ def generate_section(results: dict) -> list[str]:
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step."]
 
 
+def lora_profile_section(results: dict, title: str) -> list[str]:
+    """One LoRA (or QLoRA) AdamW step per variant: time, tok/s, peak memory and GPU ms by kind of kernel."""
+    runs = results["runs"]
+    kinds = list(dict.fromkeys(kind for run in runs for kind in run["ms_by_kind"]))
+    lines = [f"## {title} (`benchmarks/lora_profile.py`)", "",
+             f"{results['gpu']}; torch {results['torch']}, transformers {results['transformers']}, peft "
+             f"{results['peft']}; {results['model']}; {results['tokens']} tokens; {results['date']}.", "",
+             "| | " + " | ".join(run["variant"] for run in runs) + " |", "|---|" + "---:|" * len(runs)]
+    lines.append("| step ms (median) | " + " | ".join(f"{run['step_ms']:.1f}" for run in runs) + " |")
+    lines.append("| tok/s | " + " | ".join(f"{run['tok_per_s']:.0f}" for run in runs) + " |")
+    lines.append("| peak GiB | " + " | ".join(f"{run['peak_gib']:.1f}" for run in runs) + " |")
+    for kind in kinds:
+        lines.append(f"| GPU ms: {kind} | " + " | ".join(f"{run['ms_by_kind'].get(kind, 0.0):.1f}" for run in runs)
+                     + " |")
+    lines.append("| GPU ms profiled | " + " | ".join(f"{run['profiled_ms']:.1f}" for run in runs) + " |")
+    return lines + ["", f"The frozen base's GEMMs: {results['base_gemm_tflop']:.1f} TFLOP = "
+                    f"{results['base_gemm_flop_time_ms']:.1f} ms at the {results['bf16_gemm_tflops_measured']:.0f} "
+                    "TFLOP/s measured in the same run (4 · tokens · Σ K·N over the projections and the lm_head)."]
+
+
 def _layer_step_cell(row: dict, key: str, fmt: str) -> str:
     return "error" if "error" in row else format(row[key], fmt)
 
@@ -360,6 +380,10 @@ def main() -> None:
         links = plot_links([PLOTS / DECODE_PLOT], "decode")
         if links:
             out += [*links, ""]
+    for name, title in (("lora-profile-h200.json", "LoRA step"), ("qlora-profile-h200.json", "QLoRA step")):
+        profile = RESULTS / name
+        if profile.exists():
+            out += lora_profile_section(json.loads(profile.read_text()), title) + [""]
     decode = RESULTS / "decode-h200.json"
     if decode.exists():
         out += decode_section(json.loads(decode.read_text())) + [""]
