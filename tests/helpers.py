@@ -52,3 +52,24 @@ def assert_compiles_like_eager(fn, args, leaves) -> None:
     upstream = torch.randn_like(eager)
     for i, (got, expected) in enumerate(zip(grads(compiled, leaves, upstream), grads(eager, leaves, upstream))):
         assert_close(got, expected, torch.float32, f"gradient of leaf {i}")
+
+
+def train_lora_steps(model, steps: int = 30, first_grads: dict | None = None):
+    """``steps`` AdamW steps (lr 3e-3) of a PEFT LoRA model on five fixed batches of tiny-vocabulary ids; returns
+    (losses [steps], the LoRA weights in fp32 on CPU). ``first_grads``, a dict, receives the first step's
+    gradients."""
+    from tests.models import token_ids
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    batches = [token_ids(2, 8, seed=100 + i) for i in range(5)]
+    losses = []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if first_grads is not None and step == 0:
+            first_grads.update({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return torch.tensor(losses), {n: p.detach().float().cpu() for n, p in model.named_parameters() if "lora_" in n}

@@ -8,7 +8,7 @@ from torch import nn
 
 import fuselm
 from fuselm.ops import lora as lora_op
-from tests.helpers import rel_err
+from tests.helpers import rel_err, train_lora_steps
 from tests.models import tiny_model, token_ids
 from tests.patching.test_training import ALL_LINEARS, curve_distance, trainable_grads, weight_distance
 
@@ -260,19 +260,7 @@ def fine_tune(dtype, patch, steps=30, first_grads=None):
     model = peft_model(ALL_LINEARS, dtype=dtype)
     if patch:
         fuselm.patch(model, rms_norm=False, rope=False, decoder_layer=False, loss=False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    batches = [token_ids(2, 8, seed=100 + i) for i in range(5)]
-    losses = []
-    for step in range(steps):
-        ids = batches[step % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if first_grads is not None and step == 0:
-            first_grads.update({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return torch.tensor(losses), {n: p.detach().float().cpu() for n, p in model.named_parameters() if "lora_" in n}
+    return train_lora_steps(model, steps, first_grads)
 
 
 def test_bf16_fine_tuning_with_fused_lora_stays_within_bf16_noise(fused_calls):

@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import fuselm
-from tests.helpers import rel_err
+from tests.helpers import rel_err, train_lora_steps
 from tests.models import VOCAB, tiny_model, token_ids
 from tests.patching.test_families import assert_same_training_step, loss_logits_grads
 
@@ -101,20 +101,7 @@ def lora_fine_tune(dtype, patch, steps=30, first_grads=None):
     model = lora_model("llama", ALL_LINEARS, dtype=dtype)
     if patch:
         fuselm.patch(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    batches = [token_ids(2, 8, seed=100 + i) for i in range(5)]
-    losses = []
-    for step in range(steps):
-        ids = batches[step % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if first_grads is not None and step == 0:
-            first_grads.update({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    weights = {n: p.detach().float().cpu() for n, p in model.named_parameters() if "lora_" in n}
-    return torch.tensor(losses), weights
+    return train_lora_steps(model, steps, first_grads)
 
 
 def curve_distance(losses, expected_losses):
