@@ -138,10 +138,10 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None 
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_inputs(input_ids, attention_mask)
     from fuselm.patching import patch, unpatch
-    from fuselm.patching.modules import FusedDecoderLayer
+    from fuselm.patching.classes import ORIGINAL
 
     lm = _causal_lm(model)
-    patched_here = not any(isinstance(m, FusedDecoderLayer) for m in lm.modules())
+    patched_here = not any(ORIGINAL in type(m).__dict__ for m in lm.modules())  # the caller's own patch is kept
     if patched_here:
         patch(lm)
     try:

@@ -38,7 +38,9 @@ class ChoiceState:
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         self.scores = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
         self.logits = torch.zeros_like(self.scores)
-        self.eos = torch.zeros(0, **long)
+        # one eos buffer per count of eos ids, kept: a graph captured for one count reads its buffer on every replay
+        self._eos_buffers: dict[int, Tensor] = {}
+        self.eos = self.eos_buffer(0)
         fp32 = dict(dtype=torch.float32, device=device)
         # temperature, top_p, repetition penalty; min_new_tokens and the pad id
         self.values = torch.ones(3, **fp32)
@@ -46,12 +48,10 @@ class ChoiceState:
 
     def start(self, options: DecodeOptions, prompt: Tensor, real_rows: int) -> None:
         """Load a call: ``prompt`` [B, S] (the bucket's rows, fillers after the ``real_rows``). Device work only."""
-        device = self.tokens.device
         self.values.copy_(torch.tensor([options.temperature, options.top_p, options.repetition_penalty]),
                           non_blocking=True)
         self.limits.copy_(torch.tensor([options.min_new_tokens, options.pad or 0]), non_blocking=True)
-        if len(self.eos) != len(options.eos):
-            self.eos = torch.zeros(len(options.eos), dtype=torch.long, device=device)
+        self.eos = self.eos_buffer(len(options.eos))
         self.eos.copy_(torch.tensor(options.eos, dtype=torch.long), non_blocking=True)
         self.count.zero_()
         self.finish.fill_(-1)
@@ -60,6 +60,12 @@ class ChoiceState:
         if options.repetition_penalty != 1.0:
             self.seen.zero_()
             self.seen.scatter_(1, prompt, True)
+
+    def eos_buffer(self, count: int) -> Tensor:
+        """The [count] int64 buffer the eos ids of calls with ``count`` of them live in (the same tensor each time)."""
+        if count not in self._eos_buffers:
+            self._eos_buffers[count] = torch.zeros(count, dtype=torch.long, device=self.tokens.device)
+        return self._eos_buffers[count]
 
     def choose(self, logits: Tensor, options: DecodeOptions) -> Tensor:
         """Pick each row's next token from ``logits`` [B, V] (fp32) and record it; returns the tokens [B]."""

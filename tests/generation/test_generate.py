@@ -314,3 +314,30 @@ def test_no_memory_growth_over_many_steps():
             fused_generate(model, token_ids(batch, prompt, seed=round_), None, max_new_tokens=40, do_sample=False)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before
+
+
+def test_each_eos_count_keeps_its_buffer():
+    """A graph captured for calls with n eos ids reads that buffer on every replay: a call with another count must
+    not replace it."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    fuselm.patch(model)
+    for eos in ([5], [5, 6]):
+        fused_generate(model, ids, mask, max_new_tokens=2, do_sample=False, eos_token_id=eos)
+    state = engine_of(model)._buckets[4].state
+    one, two = state.eos_buffer(1), state.eos_buffer(2)
+    fused_generate(model, ids, mask, max_new_tokens=2, do_sample=False, eos_token_id=[7])
+    assert state.eos_buffer(1) is one and state.eos_buffer(2) is two
+    assert one.tolist() == [7] and two.tolist() == [5, 6]
+
+
+def test_a_model_the_caller_patched_stays_patched():
+    """Patched without fused decoder layers: the call falls back to HF with its warning, and the caller's patch is
+    neither replaced nor undone."""
+    model = decode_model("llama")
+    fuselm.patch(model, decoder_layer=False)
+    classes = [type(m) for m in model.modules()]
+    ids, mask = left_padded()
+    with pytest.warns(UserWarning, match="is not fused by fuselm.patch"):
+        fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, do_sample=False)
+    assert [type(m) for m in model.modules()] == classes
