@@ -7,6 +7,9 @@ row-wise arithmetic cannot honour (the last dimension sharded, Partial, a sharde
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,8 +119,16 @@ def _worker(rank: int, backend: str, store: str) -> None:
         with fuselm.use_backend(backend):
             _check_local_shard_ops(mesh)
             _check_refusals(mesh)
+        del mesh
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
     finally:
         dist.destroy_process_group()
+    # Passed. A spawned child leaves through sys.exit, whose interpreter teardown once aborted in CI ("terminate
+    # called without an active exception": gloo's threads met C++ static destruction). Nothing is left to check,
+    # so leave as fork's children do; a failure above still raises, and mp.spawn reports it with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
