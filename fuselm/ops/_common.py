@@ -202,6 +202,26 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+# Per device, int32 counters that are zero between launches (the split kernels' tickets: decode attention's, the
+# split-K projections'); the last buffer is the one in use. A buffer outgrown is kept: a CUDA graph captured with it
+# still writes it on replay.
+counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters. Every launch that takes tickets leaves its counters at zero, and
+    launches on one stream run one after another, so one buffer per device serves every such kernel. First use
+    allocates it (do it before CUDA-graph capture; during a capture a too-small buffer is replaced, for that call
+    only, by a zeroed one the graph owns)."""
+    buffers = counters.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= count:
+        return buffers[-1]
+    fresh = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buffers.append(fresh)
+    return fresh
+
+
 quick_tuning = False  # GPU tests set this: configs are timed in ~1 ms each instead of ~30 ms
 
 

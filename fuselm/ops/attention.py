@@ -32,7 +32,16 @@ import torch
 from torch import Tensor
 
 from fuselm.backend import INTERPRETING, runs_triton
-from fuselm.ops._common import FusedOp, autotune, check_same, check_same_device, check_tensor, new_output, sm_count
+from fuselm.ops._common import (
+    FusedOp,
+    autotune,
+    check_same,
+    check_same_device,
+    check_tensor,
+    new_output,
+    sm_count,
+    zeroed_counters,
+)
 from fuselm.ops._triton import tl, triton
 from fuselm.ops.cross_entropy import _softcap
 
@@ -281,24 +290,6 @@ def _num_splits(batch: int, n_kv_heads: int, row_blocks: int, cache_len: int, sm
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(cache_len, MIN_SPLIT_POSITIONS)))
 
 
-# Per device, int32 counters that are zero between launches; the last buffer is the one in use. A buffer
-# outgrown is kept: a CUDA graph captured with it still writes it on replay.
-_tickets: dict[torch.device, list[Tensor]] = {}
-
-
-def _tickets_for(device: torch.device, count: int) -> Tensor:
-    """At least ``count`` zeroed int32 counters. Every launch leaves its counters at zero, so one buffer per
-    device serves all launches. First use allocates it (do it before CUDA-graph capture; during a capture a
-    too-small buffer is replaced, for that call only, by a zeroed one the graph owns)."""
-    buffers = _tickets.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= count:
-        return buffers[-1]
-    tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buffers.append(tickets)
-    return tickets
-
-
 def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, ends: Tensor, scale: float,
                            softcap: float, window: int) -> Tensor:
     batch, n_heads, n_queries, head_dim = q.shape
@@ -317,7 +308,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     partial_out = new_output((units, n_splits, block_m, block_d), torch.float32, q.device)
     grid = (n_splits, n_kv_heads * row_blocks, batch)
     _decode_attention[grid](
-        q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, _tickets_for(q.device, units),
+        q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),
         scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,

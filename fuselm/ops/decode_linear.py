@@ -36,7 +36,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuselm.backend import INTERPRETING, runs_triton
-from fuselm.ops._common import FusedOp, as_rows, autotune, check_same, check_same_device, check_tensor, new_output
+from fuselm.ops._common import (
+    FusedOp,
+    as_rows,
+    autotune,
+    check_same,
+    check_same_device,
+    check_tensor,
+    new_output,
+    zeroed_counters,
+)
 from fuselm.ops._triton import tl, triton
 from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
 from fuselm.ops.glu import ACTIVATIONS, _activation, gelu_tanh_mul, silu_mul
@@ -231,31 +240,77 @@ _STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
 
 
 # ----------------------------------------------------------------------------------- linear + residual kernel
-@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY)
+# Split-K configs: a program owns a BLOCK_N column block over 1 / SPLIT_K of K, so a projection with few column blocks
+# (o: 4096 / 16 = 256 programs on 132 SMs) keeps more weight loads in flight. The partials meet in one launch: each
+# writes its fp32 [M, BLOCK_N] partial, takes a ticket, and the last of the column block sums the SPLIT_K partials in
+# split order (deterministic) and runs the epilogue. The autotuner keeps them only where they win.
+MAX_SPLIT_K = 4
+_LINEAR_RESIDUAL_CONFIGS = [
+    triton.Config({**config.kwargs, "SPLIT_K": 1}, num_warps=config.num_warps, num_stages=config.num_stages)
+    for config in _STREAMING_CONFIGS
+] + [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_warps=w, num_stages=s)
+    for n, k, split, w, s in [(16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3),
+                              (16, 128, 4, 4, 4)]
+]
+
+
+@triton.jit
+def _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out, SPLIT_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] sum of the SPLIT_K fp32 partials [SPLIT_K, M, N] at (rows, cols_n), added in split
+    order. Other programs (other SMs) wrote them: read at L2 (.cg), past L1."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    mask = row_ok[:, None] & col_ok[None, :]
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + (split * n_rows + rows[:, None]) * n_out + cols_n[None, :], mask=mask,
+                         other=0.0, cache_modifier=".cg")
+    return total
+
+
+@autotune(_LINEAR_RESIDUAL_CONFIGS, key=_STREAMING_KEY)
 @triton.jit
 def _linear_residual_kernel(
-    x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # Program owns output columns [pid * BLOCK_N, +BLOCK_N) of all M rows. Streams its BLOCK_N weight rows over K
-    # once (BLOCK_N * K elements: every weight byte read by one program) and re-reads x (M x K, from L2); writes
-    # M x BLOCK_N outputs = residual + acc (+ bias), rounded once.
+    # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
+    # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
+    # (M x K / SPLIT_K, from L2). With SPLIT_K = 1 it writes M x BLOCK_N outputs = residual + acc (+ bias), rounded
+    # once; otherwise an fp32 M x BLOCK_N partial, and the last program of column block n to take its ticket reads
+    # the SPLIT_K partials back, writes the outputs and resets the ticket.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     row_ok = rows < n_rows
+    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_inner, BLOCK_K):
+    for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False, False,
                           w_ptr.dtype.element_ty)
         acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
     mask = row_ok[:, None] & col_ok[None, :]
-    acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty), mask=mask)
+    last = True
+    if SPLIT_K > 1:
+        _store_partial(partial_ptr, acc, rows, row_ok, cols_n, col_ok, n_rows, n_out)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases it
+        ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT_K - 1
+        if last:
+            acc = _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out, SPLIT_K, BLOCK_M,
+                                      BLOCK_N)
+            tl.store(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
+    if last:
+        acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
@@ -385,7 +440,7 @@ def _finish_head(
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_weight_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr,
-    cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, tickets_ptr,
     n_rows, seq_len, n_inner, n_heads_q, n_heads_kv, head_dim, half, cache_len,
     stride_xm, stride_wq, stride_wk, stride_wv,
     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
@@ -395,12 +450,14 @@ def _qkv_rope_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
     HAS_TAIL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # Program p owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
-    # the Hkv v heads) for all M rows: the rotary pairs (d1, d1 + half) of its part and, in part 0, the tail
-    # columns. Streams those weight rows over K once (D / SPLIT rows: every weight byte read by one program),
-    # re-reads x (M x K) from L2, and runs bias, head norm, RoPE and the store in the epilogue: M x D / SPLIT
+    # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
+    # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
+    # in part 0, the tail columns. Streams those weight rows over the chunk once (D / SPLIT rows: every weight byte
+    # read by one program) and re-reads x (M x K) from L2. With SPLIT_K > 1 it writes its fp32 M x D / SPLIT partial
+    # and takes a ticket, and the last program of the part sums the SPLIT_K partials in split order (as
+    # _linear_residual_kernel does). That one runs bias, head norm, RoPE and the store in the epilogue: M x D / SPLIT
     # elements to q_out or to the caches.
     slot, part = tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT
     kind, head, w_ptr, stride_w = _select_head(slot, n_heads_q, n_heads_kv, wq_ptr, wk_ptr, wv_ptr, stride_wq,
@@ -415,7 +472,9 @@ def _qkv_rope_kernel(
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
-    for start in range(0, n_inner, BLOCK_K):
+    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
+    for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
                           CAST_NORMED, wq_ptr.dtype.element_ty)
@@ -423,6 +482,62 @@ def _qkv_rope_kernel(
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
             acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
+    if SPLIT_K > 1:
+        # the partial's columns: slot s's head_dim columns of the [SPLIT_K, M, slots * D] fp32 workspace
+        n_cols = (n_heads_q + 2 * n_heads_kv) * head_dim
+        columns = slot * head_dim
+        _store_partial(partial_ptr, acc1, rows, row_ok, columns + d1, ok1, n_rows, n_cols)
+        _store_partial(partial_ptr, acc2, rows, row_ok, columns + half + d1, ok1, n_rows, n_cols)
+        if HAS_TAIL:
+            _store_partial(partial_ptr, acc_tail, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases it
+        ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc1 = _sum_split_partials(partial_ptr, rows, row_ok, columns + d1, ok1, n_rows, n_cols, SPLIT_K,
+                                       BLOCK_M, BLOCK_HALF_HEAD // SPLIT)
+            acc2 = _sum_split_partials(partial_ptr, rows, row_ok, columns + half + d1, ok1, n_rows, n_cols, SPLIT_K,
+                                       BLOCK_M, BLOCK_HALF_HEAD // SPLIT)
+            if HAS_TAIL:
+                acc_tail = _sum_split_partials(partial_ptr, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols,
+                                               SPLIT_K, BLOCK_M, BLOCK_TAIL)
+            tl.store(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
+            _qkv_rope_epilogue(
+                acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first,
+                rows_second, rows_tail, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
+                positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, n_heads_q, n_heads_kv, seq_len, head_dim, half,
+                cache_len, head_eps, offset,
+                stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+                stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                stride_vb, stride_vh, stride_vl, stride_vd, HAS_BIAS, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
+    else:
+        _qkv_rope_epilogue(
+            acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first, rows_second,
+            rows_tail, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr,
+            k_cache_ptr, v_cache_ptr, n_heads_q, n_heads_kv, seq_len, head_dim, half, cache_len, head_eps, offset,
+            stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+            stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+            stride_vb, stride_vh, stride_vl, stride_vd, HAS_BIAS, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
+
+
+@triton.jit
+def _store_partial(partial_ptr, acc, rows, row_ok, cols, col_ok, n_rows, n_out):
+    """Split program_id(1)'s fp32 partial acc [BLOCK_M, len(cols)] into the [SPLIT_K, M, n_out] workspace."""
+    tl.store(partial_ptr + (tl.program_id(1) * n_rows + rows[:, None]) * n_out + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _qkv_rope_epilogue(
+    acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first, rows_second, rows_tail,
+    bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr,
+    v_cache_ptr, n_heads_q, n_heads_kv, seq_len, head_dim, half, cache_len, head_eps, offset,
+    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
+):
+    """A part's whole fp32 projection (acc1, acc2: columns d1 and d1 + half; acc_tail: the tail) plus its bias,
+    rounded once, then :func:`_finish_head`."""
     if HAS_BIAS:
         _, _, b_ptr, _ = _select_head(slot, n_heads_q, n_heads_kv, bq_ptr, bk_ptr, bv_ptr, 0, 0, 0)
         acc1 += tl.load(b_ptr + rows_first, mask=ok1, other=0.0).to(tl.float32)[None, :]
@@ -443,11 +558,14 @@ def _qkv_rope_kernel(
 
 _QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "NORM_ROWS",
             "HAS_HEAD_NORM"]
-_QKV_CONFIGS = [  # (SPLIT, BLOCK_K, warps, stages): SPLIT parts per head spread small models over more SMs;
-    # (1, 64, 4, 3) keeps whole heads of 256 (Gemma) within shared memory
-    triton.Config({"SPLIT": split, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for split, k, w, s in [(1, 128, 4, 4), (2, 128, 4, 4), (4, 128, 4, 4), (2, 256, 4, 3), (4, 256, 4, 3),
-                           (1, 256, 8, 2), (2, 64, 4, 4), (1, 64, 4, 3)]
+_QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per head and SPLIT_K chunks of K spread a
+    # projection over more SMs (SPLIT_K also for a head norm, which needs SPLIT = 1); (1, 64, 1, 4, 3) keeps whole
+    # heads of 256 (Gemma) within shared memory
+    triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k}, num_warps=w, num_stages=s)
+    for split, k, split_k, w, s in [
+        (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
+        (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
+        (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4)]
 ]
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
 # a head norm needs the whole head in one program
@@ -527,9 +645,12 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     (n_rows, n_inner), n_out = x2.shape, weight.shape[0]
     out = new_output(residual.shape, x.dtype, x.device)
     out2 = out.view(-1, n_out)
-    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+    # the split-K configs' workspace (static shape: every config fits it) and one ticket per column block
+    partials = new_output((MAX_SPLIT_K, n_rows, n_out), torch.float32, x.device)
+    tickets = zeroed_counters(x.device, n_out)
+    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     _linear_residual_kernel[grid](
-        x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2,
+        x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows))
     return out
@@ -580,12 +701,16 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     q_out = new_output((batch, num_heads, seq_len, head_dim), x.dtype, x.device)
     has_head_norm = q_norm_weight is not None
     kernel = _qkv_rope_whole if has_head_norm else _qkv_rope_split
-    grid = lambda meta: ((num_heads + 2 * num_kv_heads) * meta["SPLIT"],)  # noqa: E731
+    slots = num_heads + 2 * num_kv_heads
+    # the split-K configs' workspace (static shape: every config fits it) and one ticket per (slot, part)
+    partials = new_output((MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
+    tickets = zeroed_counters(x.device, slots * max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS))
+    grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
     head_norms = [w.contiguous() if w is not None else x2 for w in (q_norm_weight, k_norm_weight)]
     kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, *weights, *biases, *head_norms,
-        cos, sin, cache_positions, q_out, k_cache, v_cache,
+        cos, sin, cache_positions, q_out, k_cache, v_cache, partials, tickets,
         x2.shape[0], seq_len, x2.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2, cache_len,
         x2.stride(0), *(w.stride(0) for w in weights),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,

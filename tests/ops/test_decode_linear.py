@@ -15,6 +15,7 @@ import triton
 
 import fuselm
 from fuselm.ops import decode_linear
+from fuselm.ops._common import counters, forced_config
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_close
@@ -40,11 +41,11 @@ def _rows_input(n_rows, n_inner, dtype, contiguous=True):
 
 
 # ----------------------------------------------------------------------------------- linear_residual
-def _check_linear_residual(n_rows, dtype, has_bias, contiguous=True, leading=()):
-    x = _rows_input(n_rows, 40, dtype, contiguous)
+def _check_linear_residual(n_rows, dtype, has_bias, contiguous=True, leading=(), n_inner=40):
+    x = _rows_input(n_rows, n_inner, dtype, contiguous)
     if leading:
-        x = x.reshape(*leading, -1, 40)
-    weight = randn(24, 40, dtype=dtype, scale=0.2)
+        x = x.reshape(*leading, -1, n_inner)
+    weight = randn(24, n_inner, dtype=dtype, scale=0.2)
     residual = randn(*x.shape[:-1], 24, dtype=dtype)
     bias = randn(24, dtype=dtype) if has_bias else None
     residual_before = residual.clone()
@@ -84,6 +85,25 @@ def test_linear_residual_takes_the_kernel_only_where_it_beats_cublas(monkeypatch
     with fuselm.use_backend("triton"):
         _check_linear_residual(n_rows, torch.bfloat16, has_bias)
     assert len(calls) == int(streams)
+
+
+SPLIT_K_CONFIGS = [i for i, c in enumerate(decode_linear._linear_residual_kernel.configs) if c.kwargs["SPLIT_K"] > 1]
+
+
+@pytest.mark.parametrize("config", SPLIT_K_CONFIGS)
+def test_linear_residual_split_k_sums_every_chunk_once(config):
+    """K = 1100 over BLOCK_K-multiple chunks: 2 to 5 chunks with values, a short last one, an empty one for
+    SPLIT_K = 4 at BLOCK_K = 256 (chunk 512). The last program per column block combines them; its ticket is
+    back at zero after each launch, and two launches agree bit for bit (the partials are summed in split order)."""
+    torch.manual_seed(config)
+    with fuselm.use_backend("triton"), forced_config(decode_linear._linear_residual_kernel, config):
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_linear_residual(3, dtype, True, n_inner=1100)
+            x, weight, residual = randn(2, 1100), randn(24, 1100, scale=0.1), randn(2, 24)
+            with torch.no_grad():
+                first = fuselm.linear_residual(x, weight, residual)
+                assert not any(tickets.any() for tickets in counters[x.device])
+                assert torch.equal(first, fuselm.linear_residual(x, weight, residual))
 
 
 def test_linear_residual_keeps_autograd():
@@ -263,6 +283,29 @@ def _call_qkv(**changes):
     named.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
                   for k, v in changes.items()})
     fuselm.qkv_rope(*[named.pop(n) for n in names], **named)
+
+
+QKV_SPLIT_K_CONFIGS = [(kernel, i) for kernel in (decode_linear._qkv_rope_split, decode_linear._qkv_rope_whole)
+                       for i, c in enumerate(kernel.configs) if c.kwargs["SPLIT_K"] > 1]
+
+
+@pytest.mark.parametrize(("kernel", "config"), QKV_SPLIT_K_CONFIGS,
+                         ids=[f"{'whole' if k is decode_linear._qkv_rope_whole else 'split'}-{i}"
+                              for k, i in QKV_SPLIT_K_CONFIGS])
+def test_qkv_rope_split_k_sums_every_chunk_once(kernel, config):
+    """hidden = 1100 over SPLIT_K chunks (one short, one empty at SPLIT_K = 4): the last program of each head part
+    sums the partials, then bias, head norm (the whole-head kernel), RoPE with a pass-through tail and the cache
+    write run once; tickets are zero after each launch and a second launch gives the same bits."""
+    torch.manual_seed(config)
+    head_norm = kernel is decode_linear._qkv_rope_whole
+    with fuselm.use_backend("triton"), forced_config(kernel, config):
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_qkv(1, 3, dtype, head_dim=128, rotary_dim=96, bias=True, head_norm=head_norm, hidden=1100)
+        args, options = _qkv_inputs(2, 1, torch.float32, head_dim=128, head_norm=head_norm, hidden=1100)
+        with torch.no_grad():
+            first = fuselm.qkv_rope(*args, **options)
+            assert not any(tickets.any() for tickets in counters[first.device])
+            assert torch.equal(first, fuselm.qkv_rope(*args, **options))
 
 
 @pytest.mark.parametrize(("changes", "error", "match"), [
