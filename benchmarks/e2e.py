@@ -215,6 +215,7 @@ def train_section(args, rows: list, save) -> None:
     options = ["--layers", str(args.layers), "--train-steps", str(args.train_steps),
                "--train-tokens", *map(str, args.train_tokens), "--qlora-tokens", *map(str, args.qlora_tokens),
                "--checkpointing-tokens", *map(str, args.checkpointing_tokens)] + (["--smoke"] if args.smoke else [])
+    began = time.perf_counter()
     for what, impls in TRAIN_IMPLS.items():
         for impl in impls:
             missing = [name for name in (NEEDS.get(what), NEEDS.get(impl)) if name and not find_spec(name)]
@@ -238,6 +239,7 @@ def train_section(args, rows: list, save) -> None:
                 rows.append({"what": what, "impl": impl, "error": f"its subprocess exited with {child.returncode}"})
                 save()
             print(f"{what} {impl}: {time.perf_counter() - start:.0f} s in its subprocess", flush=True)
+    print(f"training rows: {time.perf_counter() - began:.0f} s", flush=True)
 
 
 def train_line(row: dict) -> str:
@@ -320,6 +322,8 @@ def main() -> None:
     copy = copy_gbps() if cuda and args.generate else float("nan")
     rows: list[dict] = []
     earlier = json.load(open(args.merge_into)) if args.merge_into else None
+    trained = (f"a tiny fp32 Llama (smoke, {args.layers} layers)" if args.smoke
+               else f"Llama-3-8B shape ({args.layers} layers), bf16 (qlora_step: NF4 projections, bitsandbytes)")
 
     def save() -> None:  # after each impl (training: each row), so a failure later keeps what was measured
         results = {
@@ -328,8 +332,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
             "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
                      f"prompt {args.prompt}, {args.new} new tokens",
-            "train_model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16 (qlora_step: NF4 "
-                           f"projections, bitsandbytes), sdpa attention; {SETUP}; {args.train_steps} timed steps "
+            "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
                            "after 2 untimed ones; each impl in its own process",
             "rows": rows,
         }
