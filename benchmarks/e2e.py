@@ -12,6 +12,16 @@ Rows (``benchmarks/results/e2e-h200.json``):
   compilation), s;
 - ``launches_per_layer``: GPU kernels per decoder layer in one decode step, (kernels of a 4-layer model - kernels
   of a 2-layer one) / 2, counted with torch.profiler.
+
+Training (``--no-train`` leaves it out; ``--no-generate`` runs it alone): AdamW steps of PEFT LoRA r16 on the seven
+projections (``training.py``'s model and step, as ``lora_profile.py`` runs them), batch 1, per impl ``unpatched``,
+``fuselm`` (``fuselm.patch`` after PEFT) and ``liger`` (``apply_liger_kernel_to_llama`` before PEFT), each impl in its
+own subprocess, so that neither Liger's class patches nor a peak of one impl reach another:
+- ``lora_step``: a bf16 base, at ``--train-tokens``; ``qlora_step``: the projections as bitsandbytes NF4 linears
+  (unpatched and fuselm only; a ``skipped`` row where bitsandbytes does not import), at ``--qlora-tokens``;
+- both again at ``--checkpointing-tokens`` with gradient checkpointing (non-reentrant), ``checkpointing: true``;
+- ``ms``: the median of ``--train-steps`` timed steps after two untimed ones; ``tok_per_s`` = tokens / that median;
+  ``peak_gib``: ``torch.cuda.max_memory_allocated`` over one more step (NaN without CUDA).
 """
 
 from __future__ import annotations
@@ -20,12 +30,19 @@ import argparse
 import datetime
 import gc
 import json
+import os
+import subprocess
+import sys
 import time
+from importlib.util import find_spec
 
+import peft
 import torch
 import transformers
 import triton
 from timing import copy_gbps, median_ms
+from training import SETUP, adamw_step, lora_model, peak_gib
+from training import build as build_base
 
 import fuselm
 from fuselm.generation.api import engine_of
@@ -135,35 +152,107 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
         print(f"{impl:>20} prefill B1x{prefill}: {ms:.1f} ms", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--prefills", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--impls", nargs="+", default=["fuselm.generate", "fuselm+hf_generate", "eager",
-                                                        "compile_static", "liger"])
-    parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
-    args = parser.parse_args()
+TRAIN_IMPLS = {"lora_step": ("unpatched", "fuselm", "liger"), "qlora_step": ("unpatched", "fuselm")}
+TRAIN_FORMULA = "tok_per_s = tokens / median step s; peak = torch.cuda.max_memory_allocated over one step"
+NEEDS = {"qlora_step": "bitsandbytes", "liger": "liger_kernel"}  # the module a row kind or an impl imports
+ROW_MARK = "e2e train row: "  # a child's line carrying one row, as JSON
+
+
+def section_of(row: dict) -> str:
+    return "train" if row["what"] in TRAIN_IMPLS else "generate"
+
+
+def train_plan(what: str, args) -> list[tuple[int, bool]]:
+    """(tokens, gradient checkpointing) of each row of one impl, in the order its subprocess runs them."""
+    tokens = args.train_tokens if what == "lora_step" else args.qlora_tokens
+    return [(count, False) for count in tokens] + [(count, True) for count in args.checkpointing_tokens]
+
+
+def train_impl_rows(what: str, impl: str, args) -> None:
+    """In the subprocess of one impl: its model, then each row of :func:`train_plan`, printed after ``ROW_MARK``."""
+    rows = [{"what": what, "impl": impl, "tokens": tokens, "checkpointing": checkpointing, "layers": args.layers}
+            for tokens, checkpointing in train_plan(what, args)]
+    try:
+        if what == "qlora_step":
+            import bitsandbytes  # noqa: F401
+        if impl == "liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as error:
+        print(ROW_MARK + json.dumps({"what": what, "impl": impl, "skipped": f"does not import: {error}"}), flush=True)
+        return
     cuda = torch.cuda.is_available()
-    copy = copy_gbps() if cuda else float("nan")
-    rows: list[dict] = []
+    base = build_base(args.layers, args.smoke, qlora=what == "qlora_step")
+    if impl == "liger":
+        apply_liger_kernel_to_llama(model=base)
+    model = lora_model(base)
+    report = str(fuselm.patch(model)) if impl == "fuselm" else None
+    ids = torch.Generator().manual_seed(0)
+    checkpointing = False
+    for row in rows:
+        if row["checkpointing"] and not checkpointing:  # the plan has these rows last
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing = True
+        tokens = torch.randint(0, model.config.vocab_size, (1, row["tokens"]), generator=ids).to(base.device)
+        step = adamw_step(model, tokens)
+        try:
+            ms = median_ms(step, warmup_ms=0, rep_ms=0, min_repeats=args.train_steps, flush_l2=False)
+            row.update(ms=ms, tok_per_s=row["tokens"] / (ms / 1e3), peak_gib=peak_gib(step), formula=TRAIN_FORMULA)
+        except torch.OutOfMemoryError as error:
+            row["error"] = f"out of memory: {str(error).splitlines()[0]}"
+        if report is not None:
+            row["patch_report"] = report
+        del step, tokens
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        print(ROW_MARK + json.dumps(row), flush=True)
 
-    def save() -> None:  # after each impl, so a failure later keeps what was measured
-        results = {
-            "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
-            "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
-                     f"prompt {args.prompt}, {args.new} new tokens",
-            "rows": rows,
-        }
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
+def train_section(args, rows: list, save) -> None:
+    """Each impl's training rows from its own subprocess (this script with ``--one-train-impl``), saved as they
+    come; a subprocess that fails leaves an ``error`` row."""
+    options = ["--layers", str(args.layers), "--train-steps", str(args.train_steps),
+               "--train-tokens", *map(str, args.train_tokens), "--qlora-tokens", *map(str, args.qlora_tokens),
+               "--checkpointing-tokens", *map(str, args.checkpointing_tokens)] + (["--smoke"] if args.smoke else [])
+    began = time.perf_counter()
+    for what, impls in TRAIN_IMPLS.items():
+        for impl in impls:
+            missing = [name for name in (NEEDS.get(what), NEEDS.get(impl)) if name and not find_spec(name)]
+            if missing:  # no subprocess started only to fail its import
+                rows.append({"what": what, "impl": impl, "skipped": f"{missing[0]} is not installed"})
+                print(train_line(rows[-1]), flush=True)
+                save()
+                continue
+            start = time.perf_counter()
+            command = [sys.executable, os.path.abspath(__file__), "--one-train-impl", f"{what}:{impl}", *options]
+            with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+                for line in child.stdout:
+                    if not line.startswith(ROW_MARK):
+                        print(line, end="", flush=True)
+                        continue
+                    row = json.loads(line[len(ROW_MARK):])
+                    rows.append(row)
+                    save()
+                    print(train_line(row), flush=True)
+            if child.returncode:
+                rows.append({"what": what, "impl": impl, "error": f"its subprocess exited with {child.returncode}"})
+                save()
+            print(f"{what} {impl}: {time.perf_counter() - start:.0f} s in its subprocess", flush=True)
+    print(f"training rows: {time.perf_counter() - began:.0f} s", flush=True)
+
+
+def train_line(row: dict) -> str:
+    head = f"{row['what']:<10} {row['impl']:>10}"
+    if "tok_per_s" not in row:
+        return f"{head} {row.get('skipped') or row.get('error')}"
+    return (f"{head} {row['tokens']:>5} tokens{' checkpointed' if row['checkpointing'] else '':<13} "
+            f"{row['ms']:8.1f} ms {row['tok_per_s']:8.0f} tok/s {row['peak_gib']:6.1f} GiB")
+
+
+def generation(args, rows: list, save, copy: float) -> None:
+    """The generate, prefill, first-call and launch rows, every impl in this process (Liger last)."""
+    cuda = torch.cuda.is_available()
     model = build(args.layers, args.smoke)
     order = [i for i in ("eager", "compile_static", "fuselm.generate", "fuselm+hf_generate") if i in args.impls]
     for impl in order:
@@ -195,15 +284,87 @@ def main() -> None:
             save()
             del model
             gc.collect()
-    print(f"\ncopy {copy:.0f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prefills", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--impls", nargs="+", default=["fuselm.generate", "fuselm+hf_generate", "eager",
+                                                        "compile_static", "liger"])
+    parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                        help="the generation rows (--no-generate: training rows only)")
+    parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                        help="the lora_step and qlora_step rows")
+    parser.add_argument("--train-tokens", type=int, nargs="+", help="LoRA rows (default 4096 8192; smoke 64 128)")
+    parser.add_argument("--qlora-tokens", type=int, nargs="+", help="QLoRA rows (default 4096; smoke 64)")
+    parser.add_argument("--checkpointing-tokens", type=int, nargs="+",
+                        help="LoRA and QLoRA rows with gradient checkpointing (default 4096; smoke 64)")
+    parser.add_argument("--train-steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
+    parser.add_argument("--one-train-impl", help=argparse.SUPPRESS)  # what:impl, the training subprocess's rows
+    parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
+    parser.add_argument("--merge-into", help="an earlier results file: keep its rows (and their top-level keys) of "
+                                             "the section not run now (--no-generate or --no-train)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
+    args = parser.parse_args()
+    for name, full, smoke in (("train_tokens", [4096, 8192], [64, 128]), ("qlora_tokens", [4096], [64]),
+                              ("checkpointing_tokens", [4096], [64]), ("train_steps", 5, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    if args.one_train_impl:
+        train_impl_rows(*args.one_train_impl.split(":"), args)
+        return
+    cuda = torch.cuda.is_available()
+    copy = copy_gbps() if cuda and args.generate else float("nan")
+    rows: list[dict] = []
+    earlier = json.load(open(args.merge_into)) if args.merge_into else None
+    trained = (f"a tiny fp32 Llama (smoke, {args.layers} layers)" if args.smoke
+               else f"Llama-3-8B shape ({args.layers} layers), bf16 (qlora_step: NF4 projections, bitsandbytes)")
+
+    def save() -> None:  # after each impl (training: each row), so a failure later keeps what was measured
+        results = {
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
+            "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
+                     f"prompt {args.prompt}, {args.new} new tokens",
+            "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
+                           "after 2 untimed ones; each impl in its own process",
+            "rows": rows,
+        }
+        if earlier is not None:
+            ran = {"generate": args.generate, "train": args.train}
+            kept = [row for row in earlier["rows"] if not ran[section_of(row)]]
+            keys = ([] if args.generate else ["copy_gbps", "model"]) + ([] if args.train else ["train_model"])
+            results |= {key: earlier[key] for key in keys if key in earlier}
+            results |= {"rows": kept + rows, "merged_into": f"{args.merge_into} of {earlier.get('date')}"}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    if args.generate:
+        generation(args, rows, save, copy)
+    if args.train:
+        if cuda and args.generate:  # the subprocesses get the GPU: nothing of this process's models stays cached
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"allocated before the training rows: {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+        train_section(args, rows, save)
+    print(f"\ncopy {copy:.0f} GB/s" if args.generate else "")
     for row in rows:
         if row["what"] == "generate":
             print(f"generate  {row['impl']:>20} B{row['batch']:<3} {row['tok_per_s']:9.1f} tok/s  "
                   f"{row['copy_fraction']:.0%} of copy")
     for row in rows:
-        if row["what"] != "generate":
+        if row["what"] != "generate" and "batch" in row:
             value = row.get("ms", row.get("s", row.get("value")))
             print(f"{row['what']:<18} {row['impl']:>20} B{row['batch']:<3} prompt {row['prompt']:<5} {value:.2f}")
+    for row in rows:
+        if row["what"] in TRAIN_IMPLS:
+            print(train_line(row))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark,
+# The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark and its LoRA/QLoRA
+# step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile and (FUSELM_DECODE=1) the
 # decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
@@ -26,7 +27,7 @@ if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
   python3 benchmarks/kernel_bench.py --out "$out/kernels-h200.json" $only ${FUSELM_MERGE:+--merge-into $FUSELM_MERGE} 2>&1 | tee "$out/kernels.log"
 fi
 if [ "${FUSELM_E2E:-0}" = 1 ]; then
-  python3 benchmarks/e2e.py --out "$out/e2e-h200.json" 2>&1 | tee "$out/e2e.log"
+  python3 benchmarks/e2e.py --out "$out/e2e-h200.json" ${FUSELM_E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
 fi
 if [ "${FUSELM_TRAIN:-0}" = 1 ]; then
   python3 benchmarks/train_bench.py --out "$out/train-h200.json" 2>&1 | tee "$out/train.log"

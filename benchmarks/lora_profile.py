@@ -28,14 +28,10 @@ import torch
 import transformers
 from timing import gemm_tflops, median_ms
 from torch import nn
+from training import SETUP, adamw_step, build, lora_model, peak_gib
 
 import fuselm
 from fuselm.ops import attention, cross_entropy, decode_linear, glu, rms_norm, rope
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                  num_key_value_heads=8)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _fuselm_kernel_names() -> set[str]:
@@ -58,38 +54,6 @@ KINDS = [
     ("cast / copy", r"copy|cast|convert|Memcpy|Memset|CatArrayBatched|aten::(to|_to_copy|copy_|cat|clone)$"),
     ("elementwise", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather|fill|softmax|embedding|aten::"),
 ]
-
-
-def build(layers: int, smoke: bool, qlora: bool) -> nn.Module:
-    config = transformers.LlamaConfig(**(TINY if smoke else LLAMA_3_8B), num_hidden_layers=layers,
-                                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
-    if qlora:
-        _quantise_projections(model)
-    model.requires_grad_(False)
-    return model
-
-
-def _quantise_projections(model: nn.Module) -> None:
-    """Each decoder-layer projection as a bitsandbytes NF4 Linear4bit (double quantisation, bf16 compute), as
-    ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` makes them."""
-    import bitsandbytes as bnb
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, linear in list(parent.named_children()):
-                if name not in TARGETS:
-                    continue
-                quantised = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                              compute_dtype=torch.bfloat16, compress_statistics=True,
-                                              quant_type="nf4")
-                quantised.weight = bnb.nn.Params4bit(linear.weight.data.cpu(), requires_grad=False,
-                                                     compress_statistics=True, quant_type="nf4")
-                setattr(parent, name, quantised.to(linear.weight.device))  # quantised on the move to the GPU
-    model.is_loaded_in_4bit = True  # what PEFT reads to wrap Linear4bit layers in its 4-bit LoRA class
 
 
 def base_gemm_flops(config, tokens: int) -> float:
@@ -134,20 +98,9 @@ def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool) -> di
     report = None
     if variant != "unpatched":
         report = str(fuselm.patch(model, lora=variant == "fuselm.patch"))
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(adapters, lr=1e-5)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = adamw_step(model, ids)
     step_ms = median_ms(step, min_repeats=3)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    step()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    peak = peak_gib(step)
     by_kind, kernels = profile_step(step, cuda)
     print(f"{variant}: {step_ms:.1f} ms/step, {ids.numel() / step_ms * 1e3:.0f} tok/s, peak {peak:.1f} GiB, "
           f"profiled {sum(by_kind.values()):.1f} ms", flush=True)
@@ -169,14 +122,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     name = "qlora-profile" if args.qlora else "lora-profile"
     out_path = args.out or (f"/tmp/{name}-smoke.json" if args.smoke else f"benchmarks/results/{name}-h200.json")
-    model = build(args.layers, args.smoke, args.qlora)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
-    with torch.no_grad():  # PEFT starts B at zero; a trained-looking B makes every branch's work real
-        for param_name, param in model.named_parameters():
-            if "lora_B" in param_name:
-                param.normal_(std=0.01)
-    model.train()
+    model = lora_model(build(args.layers, args.smoke, args.qlora))
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(model.parameters()).device)
     tflops = gemm_tflops() if cuda else float("nan")
@@ -188,7 +134,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": f"Llama-3-8B shape ({args.layers} layers), random weights, "
                  + ("NF4 projections (bitsandbytes), " if args.qlora else "bf16, ")
-                 + f"LoRA r16 alpha 32 on {len(TARGETS)} projections, fp32 adapters, AdamW, batch 1",
+                 + SETUP,
         "tokens": args.tokens,
         "base_gemm_tflop": flops / 1e12,
         "bf16_gemm_tflops_measured": tflops,

@@ -7,7 +7,8 @@ committed ones stay and BENCHMARKS.md links them. Per kernel family, from kernel
 achieved GB/s (TFLOP/s for linear_cross_entropy) against the ceilings measured in the same run. From e2e-h200.json,
 rows ``{"what": "generate", "impl", "batch", "prompt", "new", "tok_per_s"}``: greedy decode tok/s per impl, against
 the bound where the file gives one (rows ``{"what": "bound", "batch", "tok_per_s"}``, or ``bound_tok_per_s`` or
-``bytes_per_step`` with the top-level ``copy_gbps`` on a generate row).
+``bytes_per_step`` with the top-level ``copy_gbps`` on a generate row); rows ``{"what": "lora_step" | "qlora_step",
+"impl", "tokens", "checkpointing", "tok_per_s", "peak_gib"}`` (or ``skipped`` / ``error``): the fine-tuning table.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ GENERATE_IMPLS = ("fuselm.generate", "fuselm+hf_generate", "eager", "compile_sta
 def generate_section(results: dict) -> list[str]:
     """The generation table of e2e-h200.json: tok/s (and share of copy bandwidth) per batch, time to first token,
     first call, kernels per layer."""
-    rows = results["rows"]
+    rows = [r for r in results["rows"] if r["what"] not in TRAIN_STEPS]
     impls = [i for i in GENERATE_IMPLS if any(r["impl"] == i for r in rows)]
 
     def cell(what: str, impl: str, batch: int | None = None, prompt: int | None = None) -> str:
@@ -124,6 +125,71 @@ def generate_section(results: dict) -> list[str]:
     return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
                     "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step."]
+
+
+TRAIN_STEPS = {"lora_step": "LoRA", "qlora_step": "QLoRA"}
+TRAIN_IMPLS = {"unpatched": "unpatched", "fuselm": "fuselm.patch", "liger": "Liger-Kernel"}
+# issue 15's targets on one H200, steps without gradient checkpointing: (tokens) -> (min tok/s, max GiB)
+LORA_TARGETS = {4096: (14000, 36), 8192: (13000, 60)}
+QLORA_SPEEDUP = 1.3  # QLoRA: fuselm at >= 1.3x the unpatched tok/s, at <= its peak memory
+
+
+def _step_cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    if "tok_per_s" not in row:
+        return "error" if "error" in row else "skipped"
+    return f"{row['tok_per_s']:.0f} tok/s, {row['peak_gib']:.1f} GiB"
+
+
+def _step_target(what: str, tokens: int, fused: dict | None, base: dict | None) -> str:
+    """The issue's target for a step without checkpointing, and whether fuselm's row meets it; "" where none."""
+    if fused is None or "tok_per_s" not in fused:
+        return ""
+    if what == "lora_step" and tokens in LORA_TARGETS:
+        rate, memory = LORA_TARGETS[tokens]
+        met = fused["tok_per_s"] >= rate and fused["peak_gib"] <= memory
+        return f"≥ {rate} tok/s, ≤ {memory} GiB: {'yes' if met else 'no'}"
+    if what == "qlora_step" and base is not None and "tok_per_s" in base:
+        met = fused["tok_per_s"] >= QLORA_SPEEDUP * base["tok_per_s"] and fused["peak_gib"] <= base["peak_gib"]
+        return f"≥ {QLORA_SPEEDUP}× unpatched, ≤ its GiB: {'yes' if met else 'no'}"
+    return ""
+
+
+def train_step_section(results: dict) -> list[str]:
+    """The lora_step / qlora_step rows of e2e-h200.json: tok/s and peak GiB per impl, fuselm against unpatched, the
+    issue's targets; rows that were skipped or failed, with the reason, under the table."""
+    rows = [r for r in results["rows"] if r["what"] in TRAIN_STEPS]
+    measured = [r for r in rows if "tokens" in r]
+    shapes = sorted({(r["what"], r["checkpointing"], r["tokens"]) for r in measured},
+                    key=lambda shape: (list(TRAIN_STEPS).index(shape[0]), shape[1], shape[2]))
+    lines = ["## Fine-tuning step (`benchmarks/e2e.py`)", "",
+             f"{results['gpu']}; torch {results['torch']}, transformers {results['transformers']}, peft "
+             f"{results.get('peft')}; {results.get('train_model')}; {results['date']}.", "",
+             "| step | tokens | checkpointing | " + " | ".join(TRAIN_IMPLS.values())
+             + " | fuselm.patch / unpatched | target (issue 15) |",
+             "|---|---:|---|" + "---:|" * len(TRAIN_IMPLS) + "---:|---|"]
+    for what, checkpointing, tokens in shapes:
+        found = {r["impl"]: r for r in measured
+                 if (r["what"], r["checkpointing"], r["tokens"]) == (what, checkpointing, tokens)}
+        fused, base = found.get("fuselm"), found.get("unpatched")
+        ratio = ""
+        if fused and base and "tok_per_s" in fused and "tok_per_s" in base:
+            ratio = (f"{fused['tok_per_s'] / base['tok_per_s']:.2f}× tok/s, "
+                     f"{fused['peak_gib'] / base['peak_gib']:.2f}× memory")
+        target = "" if checkpointing else _step_target(what, tokens, fused, base)
+        lines.append(f"| {TRAIN_STEPS[what]} | {tokens} | {'yes' if checkpointing else 'no'} | "
+                     + " | ".join(_step_cell(found.get(impl)) for impl in TRAIN_IMPLS) + f" | {ratio} | {target} |")
+    formula = next((r["formula"] for r in measured if "formula" in r), None)
+    lines += ["", f"{formula}; each impl in its own process."] if formula else []
+    for row in rows:
+        reason = row.get("skipped") or row.get("error")
+        if reason:
+            where = f" at {row['tokens']} tokens" if "tokens" in row else ""
+            kind = "skipped" if "skipped" in row else "failed"
+            lines.append(f"- {TRAIN_STEPS[row['what']]} {TRAIN_IMPLS.get(row['impl'], row['impl'])}{where}: "
+                         f"{kind} ({reason})")
+    return lines
 
 
 def lora_profile_section(results: dict, title: str) -> list[str]:
@@ -375,11 +441,14 @@ def main() -> None:
     if train.exists():
         out += e2e_section(json.loads(train.read_text())) + [""]
     generation = RESULTS / "e2e-h200.json"
-    if generation.exists():
-        out += generate_section(json.loads(generation.read_text())) + [""]
+    e2e = json.loads(generation.read_text()) if generation.exists() else {"rows": []}
+    if any(row["what"] not in TRAIN_STEPS for row in e2e["rows"]):
+        out += generate_section(e2e) + [""]
         links = plot_links([PLOTS / DECODE_PLOT], "decode")
         if links:
             out += [*links, ""]
+    if any(row["what"] in TRAIN_STEPS for row in e2e["rows"]):
+        out += train_step_section(e2e) + [""]
     for name, title in (("lora-profile-h200.json", "LoRA step"), ("qlora-profile-h200.json", "QLoRA step")):
         profile = RESULTS / name
         if profile.exists():

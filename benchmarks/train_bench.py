@@ -12,41 +12,15 @@ import argparse
 import datetime
 import gc
 import json
-from collections.abc import Callable
 
 import peft
 import torch
 import transformers
 import triton
 from timing import median_ms
+from training import build, peak_gib
 
 import fuselm
-
-
-def peak_gib(fn: Callable[[], object]) -> float:
-    if not torch.cuda.is_available():
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def build(layers: int, smoke: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                 num_key_value_heads=8)
-    if smoke:  # a tiny model, to check this script on a machine without a GPU
-        shape = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-    config = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=500000.0,
-                         rms_norm_eps=1e-5, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
-    return model.eval()
 
 
 def last_logits(model, prompt: torch.Tensor) -> torch.Tensor:
@@ -105,7 +79,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/train-h200.json")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
-    model = build(args.layers, args.smoke)
+    model = build(args.layers, args.smoke).eval()
     tokens = torch.Generator().manual_seed(0)  # the same prompt and training ids for both measurements
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=tokens).to(model.device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.lora_tokens), generator=tokens).to(model.device)
@@ -125,7 +99,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         if torch.cuda.is_available():
             print(f"allocated before the Liger copy: {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
-        model = build(args.layers, args.smoke)
+        model = build(args.layers, args.smoke).eval()
         apply_liger_kernel_to_llama(model=model)
         try:
             liger = measure(model, "liger", prompt, ids, args.decode_new)

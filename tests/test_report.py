@@ -57,3 +57,50 @@ def test_old_e2e_schema_gets_a_line_and_no_plot(report, tmp_path, capsys):
     old = {"gpu": "NVIDIA H200", "rows": [{"what": "prefill B1×2048 (ms)", "unpatched": "60.9", "patched": "49.6"}]}
     assert report.decode_plot(old, tmp_path) is None
     assert "no decode plot" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
+
+def _step_row(what, impl, tokens, tok_per_s, peak_gib, checkpointing=False):
+    return {"what": what, "impl": impl, "tokens": tokens, "checkpointing": checkpointing,
+            "ms": tokens / tok_per_s * 1e3, "tok_per_s": tok_per_s, "peak_gib": peak_gib,
+            "formula": "tok_per_s = tokens / median step s"}
+
+
+TRAIN = {"gpu": "NVIDIA H200", "torch": "2", "transformers": "5", "peft": "0", "train_model": "tiny", "date": "d",
+         "rows": [*E2E["rows"],
+                  _step_row("lora_step", "unpatched", 4096, 8000.0, 50.0),
+                  _step_row("lora_step", "fuselm", 4096, 15000.0, 30.0),
+                  _step_row("lora_step", "liger", 4096, 9000.0, 40.0),
+                  _step_row("lora_step", "fuselm", 8192, 14000.0, 70.0),
+                  _step_row("lora_step", "unpatched", 4096, 7000.0, 20.0, checkpointing=True),
+                  _step_row("qlora_step", "unpatched", 4096, 1000.0, 20.0),
+                  _step_row("qlora_step", "fuselm", 4096, 1400.0, 19.0),
+                  {"what": "lora_step", "impl": "liger", "tokens": 8192, "checkpointing": False,
+                   "error": "out of memory"},
+                  {"what": "qlora_step", "impl": "liger", "skipped": "liger_kernel is not installed"}]}
+
+
+def test_train_step_table_per_tokens_and_checkpointing_with_the_targets(report):
+    lines = report.train_step_section(TRAIN)
+    table = {tuple(cell.strip() for cell in line.strip("|").split("|")[:3]): line for line in lines
+             if line.startswith("| LoRA") or line.startswith("| QLoRA")}
+    assert list(table) == [("LoRA", "4096", "no"), ("LoRA", "8192", "no"), ("LoRA", "4096", "yes"),
+                           ("QLoRA", "4096", "no")]
+    short = table["LoRA", "4096", "no"]
+    assert "| 8000 tok/s, 50.0 GiB | 15000 tok/s, 30.0 GiB | 9000 tok/s, 40.0 GiB |" in short
+    assert "| 1.88× tok/s, 0.60× memory |" in short and short.endswith("≥ 14000 tok/s, ≤ 36 GiB: yes |")
+    assert "| — | 14000 tok/s, 70.0 GiB | error |" in table["LoRA", "8192", "no"]
+    assert table["LoRA", "8192", "no"].endswith(": no |")  # 70 GiB > the 60 GiB target
+    assert table["LoRA", "4096", "yes"].endswith("|  |  |")  # no unpatched/fuselm pair, no target
+    assert table["QLoRA", "4096", "no"].endswith("≥ 1.3× unpatched, ≤ its GiB: yes |")
+    assert "- LoRA Liger-Kernel at 8192 tokens: failed (out of memory)" in lines
+    assert "- QLoRA Liger-Kernel: skipped (liger_kernel is not installed)" in lines
+
+
+def test_generation_table_leaves_the_training_rows_out(report):
+    generated = [_generate_row("fuselm.generate", 1, 230.0, copy_fraction=0.7, formula="f"),
+                 _generate_row("eager", 1, 44.0, copy_fraction=0.1)]
+    trained = [row for row in TRAIN["rows"] if row["what"] in report.TRAIN_STEPS]
+    results = {**TRAIN, "triton": "3", "model": "m", "copy_gbps": 4000.0, "rows": generated + trained}
+    header = next(line for line in report.generate_section(results) if line.startswith("| measurement"))
+    assert header == "| measurement | fuselm.generate | eager |"

@@ -1,0 +1,86 @@
+"""benchmarks/e2e.py's training rows in smoke mode (a tiny fp32 model, CPU): one impl's rows as its subprocess prints
+them (its entry point run in this process), and the skipped rows the parent writes for a module that is missing."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import HAS_CUDA
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def e2e(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own imports: timing, training
+    spec = importlib.util.spec_from_file_location("e2e", BENCHMARKS / "e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMOKE = SimpleNamespace(layers=1, smoke=True, train_tokens=[12, 16], qlora_tokens=[16], checkpointing_tokens=[8],
+                        train_steps=1)
+
+
+def printed_rows(e2e, out: str) -> list[dict]:
+    return [json.loads(line[len(e2e.ROW_MARK):]) for line in out.splitlines() if line.startswith(e2e.ROW_MARK)]
+
+
+@pytest.mark.parametrize("impl", ["unpatched", "fuselm"])
+def test_one_impl_prints_a_row_per_planned_step(e2e, impl, capsys):
+    e2e.train_impl_rows("lora_step", impl, SMOKE)
+    rows = printed_rows(e2e, capsys.readouterr().out)
+    assert [(row["tokens"], row["checkpointing"]) for row in rows] == [(12, False), (16, False), (8, True)]
+    for row in rows:
+        assert (row["what"], row["impl"], row["layers"]) == ("lora_step", impl, 1)
+        assert row["ms"] > 0 and row["tok_per_s"] == pytest.approx(row["tokens"] / (row["ms"] / 1e3))
+        assert row["peak_gib"] > 0 if HAS_CUDA else math.isnan(row["peak_gib"])
+        assert ("patch_report" in row) == (impl == "fuselm")
+    if impl == "fuselm":
+        assert "lora:" in rows[0]["patch_report"]
+
+
+class FakeChild:
+    """A subprocess that printed a progress line and one row (``exit_code`` 0), or nothing (failed)."""
+
+    def __init__(self, e2e, command: list[str], exit_code: int):
+        what, impl = command[command.index("--one-train-impl") + 1].split(":")
+        row = {"what": what, "impl": impl, "tokens": 16, "checkpointing": False, "ms": 1.0, "tok_per_s": 16e3,
+               "peak_gib": 1.0}
+        self.stdout = iter(["building\n"] + ([e2e.ROW_MARK + json.dumps(row) + "\n"] if exit_code == 0 else []))
+        self.returncode = exit_code
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_parent_saves_each_row_and_skips_what_cannot_import(e2e, monkeypatch, capsys):
+    """liger and QLoRA skipped (their modules "not installed"), unpatched's row read from its child, a child that
+    fails leaves an error row; the file is saved after each row."""
+    commands = []
+
+    def popen(command, **options):
+        commands.append(command)
+        return FakeChild(e2e, command, exit_code=1 if "lora_step:fuselm" in command else 0)
+
+    monkeypatch.setattr(e2e, "find_spec", lambda name: None)
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    rows, saves = [], []
+    e2e.train_section(SMOKE, rows, lambda: saves.append(len(rows)))
+    assert [command[command.index("--one-train-impl") + 1] for command in commands] == ["lora_step:unpatched",
+                                                                                           "lora_step:fuselm"]
+    assert all("--smoke" in command for command in commands)
+    assert [(row["what"], row["impl"], next(key for key in ("tok_per_s", "error", "skipped") if key in row))
+            for row in rows] == [("lora_step", "unpatched", "tok_per_s"), ("lora_step", "fuselm", "error"),
+                                 ("lora_step", "liger", "skipped"), ("qlora_step", "unpatched", "skipped"),
+                                 ("qlora_step", "fuselm", "skipped")]
+    assert saves == list(range(1, len(rows) + 1))
+    assert "building" in capsys.readouterr().out
