@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import typing
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -232,11 +234,46 @@ def _time_config(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, quantiles=quantiles, **budget)
 
 
+parallel_compile = True  # a new autotuning key's configs compile in threads before they are timed (see below)
+
+
+def compiling_in_parallel(tuner):
+    """``tuner`` (a ``triton.autotune`` kernel) made to compile a new key's configs together, in a thread pool, before
+    it times them one by one: a first call compiles tens of configs, one after another otherwise (the cold first call
+    of a decode step, benchmarks/NOTES.md). Through Triton's own ``AsyncCompileMode``: each config's
+    launch runs as a warm-up (compile only, nothing launched), its compile submitted to the pool; the timing runs then
+    find the compiled kernels. A config that fails to compile is left to the timing run, which handles it as triton
+    does (an infinite time). Without that module (triton 3.6 and 3.9 have it, 3.2 not), or with ``parallel_compile``
+    off, triton's sequential path runs."""
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:
+        return tuner
+    prune = tuner.prune_configs
+
+    def prune_and_compile(kwargs, *rest):
+        configs = prune(kwargs, *rest)
+        if not parallel_compile or len(configs) < 2 or _async_compile.active_mode.get() is not None:
+            return configs
+        args = list(tuner.nargs.values())  # this launch's positional arguments (triton sets nargs before pruning)
+        with (ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool,
+              _async_compile.AsyncCompileMode(pool, ignore_errors=True)):
+            for config in configs:
+                with contextlib.suppress(Exception):  # met again, and handled, by its timing run
+                    tuner.fn.run(*args, **{**kwargs, "warmup": True}, **config.all_kwargs())
+        return configs
+
+    tuner.prune_configs = prune_and_compile
+    return tuner
+
+
 def autotune(configs: list[triton.Config], key: list[str], **options):
-    """``triton.autotune`` on a GPU; under the interpreter, which cannot time, one config: the first,
-    or the one :func:`forced_config` forces. Either way ``kernel.configs`` lists them all."""
+    """``triton.autotune`` on a GPU (compiling a new key's configs in parallel: :func:`compiling_in_parallel`); under
+    the interpreter, which cannot time, one config: the first, or the one :func:`forced_config` forces. Either way
+    ``kernel.configs`` lists them all."""
     if not INTERPRETING:
-        return triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
+        tune = triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
+        return lambda fn: compiling_in_parallel(tune(fn))
 
     def pin(fn):
         # each launch reads the pinned config's values, so the grid and best_config always agree

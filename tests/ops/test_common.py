@@ -10,6 +10,7 @@ import triton.language as tl
 
 import fuselm
 from fuselm.backend import INTERPRETING
+from fuselm.ops import _common
 from fuselm.ops.glu import GLU
 from fuselm.ops.rms_norm import ADD_RMS_NORM
 from tests.helpers import grads, randn
@@ -64,3 +65,45 @@ def test_in_place_op_bumps_version_counters(device):
     with fuselm.use_backend("triton"):
         fuselm.rope(q, k, cos, sin, inplace=True)
     assert q._version > before[0] and k._version > before[1]
+
+
+class _FakeTuner:
+    """What compiling_in_parallel uses of a triton Autotuner: prune_configs, nargs (set by its run), fn.run."""
+
+    def __init__(self, configs, failing=()):
+        self.configs, self.failing = configs, failing
+        self.nargs = {"x_ptr": "x", "n": 7}
+        self.compiled = []  # (config kwargs, warmup, whether an AsyncCompileMode was active)
+        self.fn = self
+
+    def prune_configs(self, kwargs):
+        return self.configs[1:]  # as an early_config_prune might
+
+    def run(self, *args, grid, warmup, **kwargs):
+        from triton.runtime import _async_compile
+
+        assert args == ("x", 7) and grid == "grid"
+        self.compiled.append(({k: kwargs[k] for k in ("BLOCK", "num_warps")}, warmup,
+                              _async_compile.active_mode.get() is not None))
+        if kwargs["BLOCK"] in self.failing:
+            raise RuntimeError("this config does not compile")
+
+
+def test_a_new_autotuning_key_compiles_its_pruned_configs_in_parallel_first(monkeypatch):
+    """Each pruned config's launch runs once as a warm-up (compile only) under triton's AsyncCompileMode, a config that
+    fails to compile is skipped (its timing run meets it), and the pruned configs come back unchanged; with
+    parallel_compile off, or one config left, nothing is compiled ahead."""
+    pytest.importorskip("triton.runtime._async_compile")
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((16, 4), (32, 4), (64, 8), (128, 8))]
+    tuner = _common.compiling_in_parallel(_FakeTuner(configs, failing=(64,)))
+    launch = {"grid": "grid", "warmup": False, "HAS_BIAS": True}
+    assert tuner.prune_configs(launch) == configs[1:]
+    assert sorted(tuner.compiled, key=lambda c: c[0]["BLOCK"]) == [
+        ({"BLOCK": b, "num_warps": w}, True, True) for b, w in ((32, 4), (64, 8), (128, 8))]
+    assert launch["warmup"] is False  # the caller's launch arguments are not modified
+    monkeypatch.setattr(_common, "parallel_compile", False)
+    tuner.compiled.clear()
+    assert tuner.prune_configs(launch) == configs[1:] and tuner.compiled == []
+    monkeypatch.setattr(_common, "parallel_compile", True)
+    single = _common.compiling_in_parallel(_FakeTuner(configs[:2]))
+    assert single.prune_configs(launch) == configs[1:2] and single.compiled == []
