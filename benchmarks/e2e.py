@@ -9,7 +9,8 @@ Rows (``benchmarks/results/e2e-h200.json``):
   with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``;
 - ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1;
 - ``first_call_s``: the first call of a batch bucket (fuselm: warm-up, autotune, capture; compile_static: its
-  compilation), s;
+  compilation), s; with an empty Triton cache (``--no-cold-triton-cache`` keeps the one found) and inductor's caches
+  off (gpu_run.sh), so the fuselm rows include compiling the kernels' configs;
 - ``launches_per_layer``: GPU kernels per decoder layer in one decode step, (kernels of a 4-layer model - kernels
   of a 2-layer one) / 2, counted with torch.profiler.
 
@@ -33,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from importlib.util import find_spec
 
@@ -305,6 +307,9 @@ def main() -> None:
     parser.add_argument("--checkpointing-tokens", type=int, nargs="+",
                         help="LoRA and QLoRA rows with gradient checkpointing (default 4096; smoke 64)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
+    parser.add_argument("--cold-triton-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="run with an empty Triton cache (a fresh TRITON_CACHE_DIR), so first_call_s includes "
+                             "compiling every kernel config, as a user's first run does")
     parser.add_argument("--one-train-impl", help=argparse.SUPPRESS)  # what:impl, the training subprocess's rows
     parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
     parser.add_argument("--merge-into", help="an earlier results file: keep its rows (and their top-level keys) of "
@@ -318,6 +323,8 @@ def main() -> None:
     if args.one_train_impl:
         train_impl_rows(*args.one_train_impl.split(":"), args)
         return
+    if args.cold_triton_cache:  # first_call_s as on a machine that never ran fuselm (the training children inherit it)
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fuselm-e2e-triton-cache-")
     cuda = torch.cuda.is_available()
     copy = copy_gbps() if cuda and args.generate else float("nan")
     rows: list[dict] = []
@@ -332,6 +339,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
             "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
                      f"prompt {args.prompt}, {args.new} new tokens",
+            "triton_cache": "cold: an empty TRITON_CACHE_DIR" if args.cold_triton_cache else "as found",
             "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
                            "after 2 untimed ones; each impl in its own process",
             "rows": rows,
