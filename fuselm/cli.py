@@ -112,7 +112,8 @@ def _add_profile(commands) -> None:
 
 BENCHES = {  # command: (script in benchmarks/, what it measures)
     "kernels": ("kernel_bench.py", "each fused kernel against HF eager, torch.compile and Liger-Kernel"),
-    "generate": ("e2e.py", "generation: fuselm.generate, a patched model's generate, HF eager, static+compile, Liger"),
+    "generate": ("e2e.py", "generation (fuselm.generate, a patched model's generate, HF eager, static+compile, "
+                           "Liger) and the LoRA / QLoRA training steps (--no-train: generation only)"),
     "train": ("train_bench.py", "a LoRA training step and prefill, unpatched, patched and Liger"),
     "decode": ("decode_bench.py", "a decoder layer's decode step, decode attention and the decode projections"),
 }
