@@ -4,10 +4,12 @@
     python benchmarks/decode_bench.py --only layer_step          # or attention, projection (repeatable)
     python benchmarks/decode_bench.py --smoke                    # tiny shapes on CPU, wall clock: checks the script
 
-Writes one JSON: rows ``{"what": "layer_step" | "attention" | "projection", "impl", "batch", "context", "us",
-"bytes", "pct_of_copy", ...}``, the GPU, versions, date, the copy bandwidth measured in this run and the text of
-every formula. The attention rows come from ``decode_attention_bench.rows``, the projection rows from
-``decode_linear_bench.rows``; this file adds the layer-step rows.
+Writes one JSON: rows ``{"what": "layer_step" | "attention" | "projection" | "prefill_layer", "impl", "batch",
+"context", "us", "bytes", "pct_of_copy", ...}``, the GPU, versions, date, the copy bandwidth measured in this run
+and the text of every formula. The attention rows come from ``decode_attention_bench.rows``, the projection rows from
+``decode_linear_bench.rows``; this file adds the layer-step rows and the prefill-layer rows (one layer's forward
+over T = 2048 new tokens, patched and unpatched, against its GEMMs and SDPA timed alone plus the byte bound of the
+elementwise work: ``PREFILL_FORMULA``).
 
 Layer step: one Llama-3-8B-shaped ``LlamaDecoderLayer`` (hidden 4096, 32 q heads, 8 kv heads of 128, MLP 14336,
 RMSNorm eps 1e-5, bf16, layer_idx 0, SDPA) stepping one new token per row over a cache already holding
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 import decode_attention_bench
 import decode_linear_bench
 import torch
+import torch.nn.functional as F
 import transformers
 import triton
 from timing import GB, captured, copy_gbps, median_ms
@@ -60,7 +63,7 @@ from transformers.models.llama.modeling_llama import (
 import fuselm
 from fuselm.generation import FusedKVCache
 
-WHATS = ("layer_step", "attention", "projection")
+WHATS = ("layer_step", "attention", "projection", "prefill_layer")
 LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                      "rms_norm_eps")
 IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
@@ -254,6 +257,65 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
     return rows, report
 
 
+PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (16,)
+PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linear at M = T) + sdpa_us (causal SDPA "
+                   "alone, GQA) + elementwise bytes / copy_gbps, the elementwise bytes being each unavoidable pass's "
+                   "reads and writes, bf16: input norm 2 M H, RoPE 2 M (Hq + Hkv) D, residual add + norm 4 M H, "
+                   "gated activation 3 M I, residual add 3 M H; pct_of_bound = bound_us / us (the issue's target: "
+                   ">= 97 %, i.e. within 3 %); us: median CUDA-graph replay of the layer's forward over T new tokens "
+                   "(no cache, causal)")
+
+
+def prefill_layer_rows(copy: float, *, smoke: bool = False) -> list[dict]:
+    """One decoder layer's prefill (B = 1, T tokens, no cache) patched and unpatched, against what it cannot go below:
+    its GEMMs and its attention timed alone plus the byte bound of the elementwise work around them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = llama_config(smoke)
+    layer = new_layer(config, device)
+    return [row for tokens in (SMOKE_PREFILL_TOKENS if smoke else PREFILL_TOKENS)
+            for row in _prefill_rows(layer, config, tokens, copy, device)]
+
+
+def _prefill_rows(layer: LlamaDecoderLayer, config: LlamaConfig, tokens: int, copy: float, device: str) -> list[dict]:
+    hidden_size, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    hidden = torch.randn(1, tokens, hidden_size, device=device, dtype=BF16)
+    positions = torch.arange(tokens, device=device)[None]
+    cos_sin = LlamaRotaryEmbedding(config).to(device)(hidden, positions)
+    inputs = [torch.randn(1, tokens, proj.in_features, device=device, dtype=BF16) for proj in projections]
+    q = torch.randn(1, heads, tokens, head_dim, device=device, dtype=BF16)
+    k, v = (torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=BF16) for _ in range(2))
+    with torch.no_grad():
+        gemm_us = median_ms(captured(lambda: [F.linear(x, p.weight) for x, p in zip(inputs, projections)])) * 1e3
+        sdpa_us = median_ms(captured(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))) * 1e3
+    elementwise = BF16.itemsize * tokens * (2 * hidden_size + 2 * (heads + kv_heads) * head_dim + 4 * hidden_size
+                                            + 3 * inter + 3 * hidden_size)
+    bound_us = gemm_us + sdpa_us + elementwise / (copy * GB) * 1e6
+    rows, held = [], {}
+
+    def forward():
+        held["out"] = layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+
+    for impl in ("fuselm", "hf_eager"):
+        if impl == "fuselm":
+            patch_checked(layer)
+        with torch.no_grad():
+            us = median_ms(captured(forward)) * 1e3
+        fuselm.unpatch(layer)
+        out = held["out"][0] if isinstance(held["out"], tuple) else held["out"]
+        rows.append({"what": "prefill_layer", "impl": impl, "batch": 1, "context": tokens, "us": round(us, 1),
+                     "gemm_us": round(gemm_us, 1), "sdpa_us": round(sdpa_us, 1), "elementwise_bytes": elementwise,
+                     "bound_us": round(bound_us, 1), "pct_of_bound": round(100 * bound_us / us, 1),
+                     "finite": bool(torch.isfinite(out).all()),
+                     "formula": f"{gemm_us:.1f} us GEMMs + {sdpa_us:.1f} us SDPA + {elementwise} B / {copy:.0f} GB/s "
+                                f"= {bound_us:.1f} us bound; / {us:.1f} us = {100 * bound_us / us:.1f} %"})
+        print(f"  prefill_layer {impl:<8} T={tokens:<5} {rows[-1]['formula']}", flush=True)
+    return rows
+
+
 def check_smoke(rows: list[dict]) -> None:
     """--smoke: every layer-step impl that ran gave finite outputs of one shape; every what produced rows."""
     steps = [row for row in rows if row["what"] == "layer_step"]
@@ -320,6 +382,8 @@ def main() -> None:
             elif what == "projection":
                 rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))
                 settings["projection"] = decode_linear_bench.settings(args.smoke)
+            elif what == "prefill_layer":
+                rows += prefill_layer_rows(copy, smoke=args.smoke)
             else:
                 layer_rows, report = layer_step_rows(copy, smoke=args.smoke, impls=tuple(args.impls))
                 rows += layer_rows
@@ -332,7 +396,7 @@ def main() -> None:
         "copy_gbps": round(copy, 1), "seconds": seconds, "patch_report": report, "settings": settings,
         "layer_config": {key: getattr(llama_config(args.smoke), key) for key in LAYER_CONFIG_KEYS}
         | {"dtype": "bfloat16", "max_len": f"{MAX_LEN_FACTOR} * context", "attn_implementation": "sdpa"},
-        "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA,
+        "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA, "prefill_layer": PREFILL_FORMULA,
                      "attention": decode_attention_bench.FORMULA, "projection": decode_linear_bench.FORMULA},
         "rows": rows,
     }

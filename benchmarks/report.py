@@ -243,6 +243,15 @@ def decode_section(results: dict) -> list[str]:
         lines += [f"| {r['batch']} × {r['context']} | {r['valid']} | {r['impl']} | {r['us']:.2f} | {r['gbps']:.0f} | "
                   f"{r['pct_of_copy']:.1f} | {r['rel_err_vs_fuselm']} |" for r in attention]
         lines.append("")
+    prefills = [r for r in rows if r["what"] == "prefill_layer"]
+    if prefills:
+        lines += ["### Decoder layer prefill (Llama-3-8B shapes, bf16, B = 1, no cache)", "",
+                  f"{formulas['prefill_layer']}.", "",
+                  "| T | impl | µs | GEMMs µs | SDPA µs | elementwise bytes | bound µs | % of bound |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['context']} | {r['impl']} | {r['us']:.1f} | {r['gemm_us']:.1f} | {r['sdpa_us']:.1f} | "
+                  f"{r['elementwise_bytes']} | {r['bound_us']:.1f} | {r['pct_of_bound']:.1f} |" for r in prefills]
+        lines.append("")
     projections = [r for r in rows if r["what"] == "projection"]
     if projections:
         lines += ["### Decode projections (M = B rows, T = 1, bf16)", "", f"{formulas['projection']}.", "",

@@ -104,3 +104,15 @@ def test_generation_table_leaves_the_training_rows_out(report):
     results = {**TRAIN, "triton": "3", "model": "m", "copy_gbps": 4000.0, "rows": generated + trained}
     header = next(line for line in report.generate_section(results) if line.startswith("| measurement"))
     assert header == "| measurement | fuselm.generate | eager |"
+
+
+def test_decode_section_renders_the_prefill_layer_rows(report):
+    results = {"gpu": "GPU", "torch": "t", "triton": "tr", "transformers": "tf", "date": "d", "copy_gbps": 4000.0,
+               "formulas": {"copy_gbps": "c", "prefill_layer": "bound = GEMMs + SDPA + bytes / copy"},
+               "rows": [{"what": "prefill_layer", "impl": impl, "batch": 1, "context": 2048, "us": us, "gemm_us": 40.0,
+                         "sdpa_us": 5.0, "elementwise_bytes": 123, "bound_us": 46.0, "pct_of_bound": 46.0 / us * 100}
+                        for impl, us in (("fuselm", 47.5), ("hf_eager", 60.0))]}
+    lines = report.decode_section(results)
+    assert "bound = GEMMs + SDPA + bytes / copy." in lines
+    assert "| 2048 | fuselm | 47.5 | 40.0 | 5.0 | 123 | 46.0 | 96.8 |" in lines
+    assert "| 2048 | hf_eager | 60.0 | 40.0 | 5.0 | 123 | 46.0 | 76.7 |" in lines
