@@ -227,6 +227,7 @@ def main() -> None:
     if rank == 0 and args.out:
         torch.save(results, args.out)
     if distributed:
+        dist.barrier()  # every rank done with its collectives before any tears its connections down
         dist.destroy_process_group()
 
 
