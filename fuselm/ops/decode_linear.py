@@ -482,6 +482,7 @@ def _qkv_rope_kernel(
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
             acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
+    last = True
     if SPLIT_K > 1:
         # the partial's columns: slot s's head_dim columns of the [SPLIT_K, M, slots * D] fp32 workspace
         n_cols = (n_heads_q + 2 * n_heads_kv) * head_dim
@@ -492,7 +493,8 @@ def _qkv_rope_kernel(
             _store_partial(partial_ptr, acc_tail, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases it
         ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
+        last = ticket == SPLIT_K - 1
+        if last:
             acc1 = _sum_split_partials(partial_ptr, rows, row_ok, columns + d1, ok1, n_rows, n_cols, SPLIT_K,
                                        BLOCK_M, BLOCK_HALF_HEAD // SPLIT)
             acc2 = _sum_split_partials(partial_ptr, rows, row_ok, columns + half + d1, ok1, n_rows, n_cols, SPLIT_K,
@@ -501,15 +503,7 @@ def _qkv_rope_kernel(
                 acc_tail = _sum_split_partials(partial_ptr, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols,
                                                SPLIT_K, BLOCK_M, BLOCK_TAIL)
             tl.store(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
-            _qkv_rope_epilogue(
-                acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first,
-                rows_second, rows_tail, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
-                positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, n_heads_q, n_heads_kv, seq_len, head_dim, half,
-                cache_len, head_eps, offset,
-                stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
-                stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                stride_vb, stride_vh, stride_vl, stride_vd, HAS_BIAS, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
-    else:
+    if last:
         _qkv_rope_epilogue(
             acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first, rows_second,
             rows_tail, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr,
