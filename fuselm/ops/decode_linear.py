@@ -15,7 +15,9 @@ Two paths on the GPU, picked by M = rows of x (B * T):
   ``LINEAR_RESIDUAL_MAX_ROWS``): one weight-streaming Triton kernel per op. A program owns a block of
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
   so the weights cross HBM once; the norm runs in the prologue (on each x tile before the dot) and bias,
-  residual, activation, head norm, RoPE and the cache write in the epilogue.
+  residual, activation, head norm, RoPE and the cache write in the epilogue. linear_residual and qkv_rope also
+  have split-K configs (the autotuner's choice): SPLIT_K programs share a column block, each over a chunk of K,
+  and the last to finish sums their fp32 partials in split order and runs the epilogue, in the same launch.
 - larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
 
 Rounding points (those of the existing ops and of HF): the normed x is rounded to x's dtype (the GEMM operand,
