@@ -563,6 +563,7 @@ _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per he
         (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
         (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4)]
 ]
+_QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
 # a head norm needs the whole head in one program
 _qkv_rope_whole = autotune([c for c in _QKV_CONFIGS if c.kwargs["SPLIT"] == 1], key=_QKV_KEY)(_qkv_rope_kernel)
@@ -700,7 +701,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     slots = num_heads + 2 * num_kv_heads
     # the split-K configs' workspace (static shape: every config fits it) and one ticket per (slot, part)
     partials = new_output((MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
-    tickets = zeroed_counters(x.device, slots * max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS))
+    tickets = zeroed_counters(x.device, slots * _QKV_MAX_SPLIT)
     grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
     head_norms = [w.contiguous() if w is not None else x2 for w in (q_norm_weight, k_norm_weight)]
