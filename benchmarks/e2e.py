@@ -50,19 +50,10 @@ import fuselm
 from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
 
-SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-             num_key_value_heads=8)
-SMOKE_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-
 
 def build(layers: int, smoke: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**(SMOKE_SHAPE if smoke else SHAPE), num_hidden_layers=layers, max_position_embeddings=16384,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
+    """The generation model: training.py's base (Llama-3-8B shape, bf16; smoke: tiny, fp32), in eval mode."""
+    model = build_base(layers, smoke, max_positions=16384)
     model.generation_config.eos_token_id = None  # random weights: every call runs its full length
     model.generation_config.pad_token_id = 0
     return model.eval()

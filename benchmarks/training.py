@@ -18,17 +18,18 @@ from torch import nn
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                   num_key_value_heads=8)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2)  # head_dim 64: one of the fused decode path's, so generation smoke runs take it
 LORA = dict(r=16, lora_alpha=32, target_modules=TARGETS)
 SETUP = (f"LoRA r{LORA['r']} alpha {LORA['lora_alpha']} on {len(TARGETS)} projections, fp32 adapters, AdamW, "
          "batch 1")
 
 
-def build(layers: int, smoke: bool, qlora: bool = False) -> nn.Module:
+def build(layers: int, smoke: bool, qlora: bool = False, max_positions: int = 8192) -> nn.Module:
     """The frozen base: a Llama-3-8B-shaped ``LlamaForCausalLM`` with ``layers`` layers (``smoke``: a tiny fp32 one),
     made directly on the GPU when there is one; ``qlora``: its projections as bitsandbytes NF4 linears."""
     config = transformers.LlamaConfig(**(TINY if smoke else LLAMA_3_8B), num_hidden_layers=layers,
-                                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                      max_position_embeddings=max_positions, rope_theta=500000.0, rms_norm_eps=1e-5,
                                       attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
