@@ -18,7 +18,7 @@ The streaming kernels are timed at every M whatever the dispatch thresholds say,
 (decode_linear.QKV_ROPE, NORM_GATED_LINEAR, LINEAR_RESIDUAL) directly, so one run gives the numbers that set them:
 the fused norm ops both ways (norm in the kernel's prologue, every program recomputing each row's rstd, against
 fuselm.rms_norm first: GATED_/QKV_PROLOGUE_NORM_MAX_ROWS) and linear_residual's kernel against cuBLAS addmm
-(LINEAR_RESIDUAL_MAX_ROWS, LINEAR_RESIDUAL_MAX_INNER), next to what the public op dispatches to.
+(LINEAR_RESIDUAL_MAX_ROWS), next to what the public op dispatches to.
 
     python benchmarks/decode_bench.py --only projection [--rows 1 8 32 64 2048]
     python benchmarks/decode_bench.py --only projection --smoke   # tiny shapes, no GPU (interpreter, wall clock)
@@ -232,6 +232,5 @@ def settings(smoke: bool = False) -> dict:
             "gated_prologue_norm_max_rows": decode_linear.GATED_PROLOGUE_NORM_MAX_ROWS,
             "qkv_prologue_norm_max_rows": decode_linear.QKV_PROLOGUE_NORM_MAX_ROWS,
             "linear_residual_max_rows": decode_linear.LINEAR_RESIDUAL_MAX_ROWS,
-            "linear_residual_max_inner": decode_linear.LINEAR_RESIDUAL_MAX_INNER,
             "norm_tile": decode_linear.NORM_TILE, "norm_max_unroll": decode_linear.NORM_MAX_UNROLL,
             "tuned_configs": tuned_configs()}

@@ -55,13 +55,11 @@ from fuselm.ops.rms_norm import CASTINGS, rms_norm, rms_norm_reference
 from fuselm.ops.rope import rope_reference
 
 MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernels; above, cuBLAS
-# linear_residual's kernel only where it beat cuBLAS torch.addmm(residual, x, W.T) (H200, bf16, Llama-3-8B shapes,
-# CUDA-graph replays, benchmarks/decode_linear_bench.py, us fused vs addmm): o 4096 -> 4096 14.8 vs 16.7 at M = 1
-# but 16.5 vs 15.9 at M = 64; down 14336 -> 4096 lost at every M (42.0 vs 40.0 at M = 1, 42.6 vs 40.3 at 8, 43.8 vs
-# 41.6 at 32, 46.1 vs 43.5 at 64). So: K <= 8192 (o, not down) and M <= 32 (o was measured at M = 1 and 64 only:
-# the bench's "fused streaming kernel" row, forced at every M, says where between them the crossing is).
+# linear_residual's kernel only where it beats cuBLAS torch.addmm(residual, x, W.T) (H200, bf16, Llama-3-8B shapes,
+# CUDA-graph replays, benchmarks/decode_linear_bench.py, us fused vs addmm, with the split-K configs): o 4096 -> 4096
+# 13.7 vs 16.9 at M = 1, 14.8 vs 17.8 at 32, 16.5 vs 15.9 at 64; down 14336 -> 4096 36.7 vs 39.8 at M = 1, 38.5 vs
+# 41.1 at 32, 45.8 vs 43.4 at 64. So M <= 32, any K.
 LINEAR_RESIDUAL_MAX_ROWS = 32
-LINEAR_RESIDUAL_MAX_INNER = 8192
 # Norm in the prologue means every program computes the rstd of every x row: it re-reads x (M x K) from L2 once
 # per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
 # reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
@@ -806,8 +804,8 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
     Returns:
         [..., N] in x's dtype: the new residual stream. Accumulated in fp32 with the residual (and bias) added
         before the one rounding, as ``torch.addmm(residual, x, weight.T)`` does. The streaming kernel runs for up
-        to ``LINEAR_RESIDUAL_MAX_ROWS`` rows with K up to ``LINEAR_RESIDUAL_MAX_INNER`` (where it beats cuBLAS);
-        otherwise, or when an input requires grad, that ``torch.addmm`` (then ``+ bias``) runs.
+        to ``LINEAR_RESIDUAL_MAX_ROWS`` rows (where it beats cuBLAS); otherwise, or when an input requires grad,
+        that ``torch.addmm`` (then ``+ bias``) runs.
     """
     check_tensor("x", x)
     _check_weight("weight", weight, x)
@@ -818,7 +816,7 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
                          "(x's leading shape, weight's N)")
     _check_vector("bias", bias, weight.shape[0], x)
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and 0 < x.shape[-1] <= LINEAR_RESIDUAL_MAX_INNER
+    if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and x.shape[-1] > 0
             and not _needs_grad(x, weight, residual, bias)):
         return LINEAR_RESIDUAL(x, weight, residual, bias)
     return linear_residual_reference(x, weight, residual, bias)

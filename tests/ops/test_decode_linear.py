@@ -69,19 +69,15 @@ def test_linear_residual_non_contiguous_and_leading_dims(path):
     _check_linear_residual(6, torch.float32, False, leading=(2,))
 
 
-@pytest.mark.parametrize(("n_rows", "max_inner", "streams"), [
-    (17, None, True),  # M <= LINEAR_RESIDUAL_MAX_ROWS, K <= LINEAR_RESIDUAL_MAX_INNER: the streaming kernel
-    (33, None, False),  # M past LINEAR_RESIDUAL_MAX_ROWS (but <= MAX_STREAMING_ROWS): cuBLAS addmm
-    (3, 32, False),  # K = 40 past a LINEAR_RESIDUAL_MAX_INNER of 32 (as down's 14336 is past 8192): cuBLAS addmm
+@pytest.mark.parametrize(("n_rows", "streams"), [
+    (17, True),  # M <= LINEAR_RESIDUAL_MAX_ROWS: the streaming kernel
+    (33, False),  # M past LINEAR_RESIDUAL_MAX_ROWS (but <= MAX_STREAMING_ROWS): cuBLAS addmm
 ])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_linear_residual_takes_the_kernel_only_where_it_beats_cublas(monkeypatch, n_rows, max_inner, streams,
-                                                                     has_bias):
+def test_linear_residual_takes_the_kernel_only_where_it_beats_cublas(monkeypatch, n_rows, streams, has_bias):
     calls = []
     kernel_op = decode_linear.LINEAR_RESIDUAL
     monkeypatch.setattr(decode_linear, "LINEAR_RESIDUAL", lambda *args: calls.append(args) or kernel_op(*args))
-    if max_inner is not None:
-        monkeypatch.setattr(decode_linear, "LINEAR_RESIDUAL_MAX_INNER", max_inner)
     with fuselm.use_backend("triton"):
         _check_linear_residual(n_rows, torch.bfloat16, has_bias)
     assert len(calls) == int(streams)
