@@ -151,8 +151,16 @@ NEEDS = {"qlora_step": "bitsandbytes", "liger": "liger_kernel"}  # the module a 
 ROW_MARK = "e2e train row: "  # a child's line carrying one row, as JSON
 
 
-def section_of(row: dict) -> str:
-    return "train" if row["what"] in TRAIN_IMPLS else "generate"
+def row_key(row: dict) -> tuple:
+    """What a row measures: a later run's row of the same key replaces it (--merge-into)."""
+    return tuple(row.get(name) for name in ("what", "impl", "batch", "prompt", "tokens", "checkpointing"))
+
+
+def merged_rows(earlier: dict, rows: list[dict]) -> list[dict]:
+    """``earlier``'s rows that ``rows`` does not measure again, each tagged with its run's ``run_date``, then
+    ``rows``."""
+    fresh = {row_key(row) for row in rows}
+    return [{"run_date": earlier.get("date"), **row} for row in earlier["rows"] if row_key(row) not in fresh] + rows
 
 
 def train_plan(what: str, args) -> list[tuple[int, bool]]:
@@ -303,8 +311,10 @@ def main() -> None:
                              "compiling every kernel config, as a user's first run does")
     parser.add_argument("--one-train-impl", help=argparse.SUPPRESS)  # what:impl, the training subprocess's rows
     parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
-    parser.add_argument("--merge-into", help="an earlier results file: keep its rows (and their top-level keys) of "
-                                             "the section not run now (--no-generate or --no-train)")
+    parser.add_argument("--merge-into", help="an earlier results file: keep its rows that this run does not measure "
+                                             "again (same what, impl, batch, prompt/tokens, checkpointing), each "
+                                             "tagged with its run's date, and its top-level keys of a section not "
+                                             "run now (--no-generate or --no-train)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
     for name, full, smoke in (("train_tokens", [4096, 8192], [64, 128]), ("qlora_tokens", [4096], [64]),
@@ -336,11 +346,10 @@ def main() -> None:
             "rows": rows,
         }
         if earlier is not None:
-            ran = {"generate": args.generate, "train": args.train}
-            kept = [row for row in earlier["rows"] if not ran[section_of(row)]]
             keys = ([] if args.generate else ["copy_gbps", "model"]) + ([] if args.train else ["train_model"])
             results |= {key: earlier[key] for key in keys if key in earlier}
-            results |= {"rows": kept + rows, "merged_into": f"{args.merge_into} of {earlier.get('date')}"}
+            results |= {"rows": merged_rows(earlier, rows),
+                        "merged_into": f"{args.merge_into} of {earlier.get('date')}"}
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -84,3 +84,15 @@ def test_the_parent_saves_each_row_and_skips_what_cannot_import(e2e, monkeypatch
                                  ("qlora_step", "fuselm", "skipped")]
     assert saves == list(range(1, len(rows) + 1))
     assert "building" in capsys.readouterr().out
+
+
+def test_merge_keeps_the_earlier_rows_not_measured_again(e2e):
+    earlier = {"date": "then", "rows": [
+        {"what": "generate", "impl": "eager", "batch": 1, "prompt": 512, "tok_per_s": 40.0},
+        {"what": "generate", "impl": "fuselm.generate", "batch": 1, "prompt": 512, "tok_per_s": 200.0},
+        {"what": "lora_step", "impl": "fuselm", "tokens": 4096, "checkpointing": True, "tok_per_s": 1.0,
+         "run_date": "before then"}]}
+    now = [{"what": "generate", "impl": "fuselm.generate", "batch": 1, "prompt": 512, "tok_per_s": 230.0},
+           {"what": "lora_step", "impl": "fuselm", "tokens": 4096, "checkpointing": False, "tok_per_s": 2.0}]
+    merged = e2e.merged_rows(earlier, now)
+    assert merged == [{"run_date": "then", **earlier["rows"][0]}, earlier["rows"][2], *now]
