@@ -157,8 +157,8 @@ def row_key(row: dict) -> tuple:
 
 
 def merged_rows(earlier: dict, rows: list[dict]) -> list[dict]:
-    """``earlier``'s rows that ``rows`` does not measure again, each tagged with its run's ``run_date``, then
-    ``rows``."""
+    """``earlier``'s rows that ``rows`` does not measure again, each keeping its ``run_date`` (or taking the date of
+    ``earlier``, a file older than the tag), then ``rows``."""
     fresh = {row_key(row) for row in rows}
     return [{"run_date": earlier.get("date"), **row} for row in earlier["rows"] if row_key(row) not in fresh] + rows
 
@@ -333,22 +333,24 @@ def main() -> None:
     trained = (f"a tiny fp32 Llama (smoke, {args.layers} layers)" if args.smoke
                else f"Llama-3-8B shape ({args.layers} layers), bf16 (qlora_step: NF4 projections, bitsandbytes)")
 
+    run_date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
     def save() -> None:  # after each impl (training: each row), so a failure later keeps what was measured
         results = {
             "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "copy_gbps": copy,
+            "date": run_date, "copy_gbps": copy,
             "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
                      f"prompt {args.prompt}, {args.new} new tokens",
             "triton_cache": "cold: an empty TRITON_CACHE_DIR" if args.cold_triton_cache else "as found",
             "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
                            "after 2 untimed ones; each impl in its own process",
-            "rows": rows,
+            "rows": [{**row, "run_date": run_date} for row in rows],
         }
         if earlier is not None:
             keys = ([] if args.generate else ["copy_gbps", "model"]) + ([] if args.train else ["train_model"])
             results |= {key: earlier[key] for key in keys if key in earlier}
-            results |= {"rows": merged_rows(earlier, rows),
+            results |= {"rows": merged_rows(earlier, results["rows"]),
                         "merged_into": f"{args.merge_into} of {earlier.get('date')}"}
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -88,6 +88,18 @@ def e2e_section(results: dict) -> list[str]:
     return lines + ["", results.get("notes", "")]
 
 
+def _run_dates(rows: list[dict]) -> str:
+    """When the rows were measured: one run, or (a file merged from several, e2e.py --merge-into) each run's impls."""
+    runs: dict[str, list[str]] = {}
+    for row in rows:
+        impls = runs.setdefault(row.get("run_date", "undated"), [])
+        if row["impl"] not in impls:
+            impls.append(row["impl"])
+    if len(runs) == 1:
+        return f"run {next(iter(runs))}"
+    return "runs " + "; ".join(f"{date}: {', '.join(impls)}" for date, impls in sorted(runs.items()))
+
+
 GENERATE_IMPLS = ("fuselm.generate", "fuselm+hf_generate", "eager", "compile_static", "liger")
 
 
@@ -107,7 +119,8 @@ def generate_section(results: dict) -> list[str]:
 
     lines = ["## Generation (`benchmarks/e2e.py`)", "",
              f"{results['gpu']}; torch {results['torch']}, triton {results['triton']}, transformers "
-             f"{results['transformers']}; {results['model']}; copy {results['copy_gbps']:.0f} GB/s; {results['date']}.",
+             f"{results['transformers']}; {results['model']}; copy {results['copy_gbps']:.0f} GB/s (latest run)"
+             f"; {_run_dates(rows)}.",
              "", "| measurement | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
     batches = sorted({r["batch"] for r in rows if r["what"] == "generate"})
     for batch in batches:
@@ -165,7 +178,7 @@ def train_step_section(results: dict) -> list[str]:
                     key=lambda shape: (list(TRAIN_STEPS).index(shape[0]), shape[1], shape[2]))
     lines = ["## Fine-tuning step (`benchmarks/e2e.py`)", "",
              f"{results['gpu']}; torch {results['torch']}, transformers {results['transformers']}, peft "
-             f"{results.get('peft')}; {results.get('train_model')}; {results['date']}.", "",
+             f"{results.get('peft')}; {results.get('train_model')}; {_run_dates(rows)}.", "",
              "| step | tokens | checkpointing | " + " | ".join(TRAIN_IMPLS.values())
              + " | fuselm.patch / unpatched | target (issue 15) |",
              "|---|---:|---|" + "---:|" * len(TRAIN_IMPLS) + "---:|---|"]
