@@ -2,10 +2,9 @@
 
     python -m tests.compile_for_hopper < launches.json
 
-Reads a JSON list of launches, each ``{"module", "kernel", "signature", "constexprs", "num_warps"}``,
-optionally with ``"launch_pdl"`` (signature: argument name to a Triton type such as ``"*bf16"`` or
-``"i32"``; constexprs: name to value), and compiles each with ``triton.compile`` for
-``GPUTarget("cuda", 90, 32)``: the frontend,
+Reads a JSON list of launches, each ``{"module", "kernel", "signature", "constexprs", "num_warps"}``
+(signature: argument name to a Triton type such as ``"*bf16"`` or ``"i32"``; constexprs: name to
+value), and compiles each with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``: the frontend,
 the TTGIR passes, PTX and ptxas, everything a GPU launch would run before the kernel starts. Run it
 without TRITON_INTERPRET, so that ``triton.jit`` builds compilable kernels. Prints one line per
 launch that fails and exits 1 if any did.
@@ -38,8 +37,7 @@ def compile_launch(launch: dict) -> None:
     constexprs = {(kernel.arg_names.index(name),): value for name, value in launch["constexprs"].items()}
     signature = {**launch["signature"], **{name: "constexpr" for name in launch["constexprs"]}}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    options = {"num_warps": launch["num_warps"], "launch_pdl": launch.get("launch_pdl", False)}
-    triton.compile(source, target=HOPPER, options=options)
+    triton.compile(source, target=HOPPER, options={"num_warps": launch["num_warps"]})
 
 
 def main() -> int:

@@ -15,12 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
-from fuselm.ops._triton import tl, triton
-
-try:  # grid dependency control (sm_90+), in triton.language since triton 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
+from fuselm.ops._triton import triton
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -227,38 +222,6 @@ def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         buffers.append(fresh)
     return fresh
-
-
-# The decode step's kernels (the streaming projections, decode attention, RMSNorm's forward) launch as programmatic
-# dependent launches on sm_90+: each may start while the kernel before it in the stream is still running, so its
-# launch and its programs' start-up overlap that kernel's tail, and it waits for that kernel to finish (and its
-# writes to be visible) before its first load or store (await_prior_grid). Off (FUSELM_DEPENDENT_LAUNCH=0, or this
-# set False before the kernels are captured or launched): plain stream order.
-dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
-
-
-@functools.cache
-def _has_grid_dependency_control(device: torch.device) -> bool:
-    return device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def dependent_launch_options(device: torch.device) -> dict:
-    """The launch keywords of a kernel that starts with :func:`await_prior_grid`: its ``DEPENDENT_LAUNCH``
-    constexpr and, where that is on (``dependent_launch``, a CUDA device of sm_90+, not the interpreter), triton's
-    ``launch_pdl`` option."""
-    if dependent_launch and not INTERPRETING and _has_grid_dependency_control(device):
-        return {"DEPENDENT_LAUNCH": True, "launch_pdl": True}
-    return {"DEPENDENT_LAUNCH": False}
-
-
-@triton.jit
-def await_prior_grid(DEPENDENT_LAUNCH: tl.constexpr):
-    """A dependent launch's first statement: waits until the kernel before it has finished and its writes are
-    visible, then lets the kernel after it launch (its programs wait here in turn). Nothing without
-    DEPENDENT_LAUNCH."""
-    if DEPENDENT_LAUNCH:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 quick_tuning = False  # GPU tests set this: configs are timed in ~1 ms each instead of ~30 ms

@@ -35,11 +35,9 @@ from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import (
     FusedOp,
     autotune,
-    await_prior_grid,
     check_same,
     check_same_device,
     check_tensor,
-    dependent_launch_options,
     new_output,
     sm_count,
     zeroed_counters,
@@ -152,7 +150,7 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
     # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
@@ -161,7 +159,6 @@ def _decode_attention_kernel(
     # [D] output), and the last program of the (b, kv head, row block) to finish reads every partial back
     # and writes the output rows. A program with an empty chunk reads nothing (split 0 of a row with
     # nothing visible writes zeros).
-    await_prior_grid(DEPENDENT_LAUNCH)
     split = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     unit = b * tl.num_programs(1) + tl.program_id(1)  # (b, kv head, row block): its partials and ticket
@@ -316,7 +313,6 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
         COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, TILE_ELEMENTS // (combine_rows * block_d)),
-        **dependent_launch_options(q.device),
     )
     return out
 

@@ -42,11 +42,9 @@ from fuselm.ops._common import (
     FusedOp,
     as_rows,
     autotune,
-    await_prior_grid,
     check_same,
     check_same_device,
     check_tensor,
-    dependent_launch_options,
     new_output,
     zeroed_counters,
 )
@@ -276,14 +274,13 @@ def _linear_residual_kernel(
     x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
     # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
     # (M x K / SPLIT_K, from L2). With SPLIT_K = 1 it writes M x BLOCK_N outputs = residual + acc (+ bias), rounded
     # once; otherwise an fp32 M x BLOCK_N partial, and the last program of column block n to take its ticket reads
     # the SPLIT_K partials back, writes the outputs and resets the ticket.
-    await_prior_grid(DEPENDENT_LAUNCH)
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -324,13 +321,12 @@ def _norm_gated_kernel(
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
     HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr, NORM_ROWS: tl.constexpr,
     NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
     # epilogue. With HAS_NORM it first reads x once for each row's rstd (M x K from L2, _row_rstd), then
     # normalises each x tile before its dots. Writes M x BLOCK_N outputs.
-    await_prior_grid(DEPENDENT_LAUNCH)
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -454,7 +450,7 @@ def _qkv_rope_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
     HAS_TAIL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
@@ -463,7 +459,6 @@ def _qkv_rope_kernel(
     # and takes a ticket, and the last program of the part sums the SPLIT_K partials in split order (as
     # _linear_residual_kernel does). That one runs bias, head norm, RoPE and the store in the epilogue: M x D / SPLIT
     # elements to q_out or to the caches.
-    await_prior_grid(DEPENDENT_LAUNCH)
     slot, part = tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT
     kind, head, w_ptr, stride_w = _select_head(slot, n_heads_q, n_heads_kv, wq_ptr, wk_ptr, wv_ptr, stride_wq,
                                                stride_wk, stride_wv)
@@ -652,7 +647,7 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     _linear_residual_kernel[grid](
         x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows), **dependent_launch_options(x.device))
+        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows))
     return out
 
 
@@ -668,8 +663,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
         HAS_NORM=norm_weight is not None, CAST_NORMED=casting == "llama", ACTIVATION=activation,
-        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None),
-        **dependent_launch_options(x.device))
+        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None))
     return out
 
 
@@ -717,7 +711,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
-        **_norm_blocks(*x2.shape, norm_weight is not None), **dependent_launch_options(x.device))
+        **_norm_blocks(*x2.shape, norm_weight is not None))
     return q_out
 
 

@@ -22,11 +22,9 @@ from fuselm.ops._common import (
     FusedOp,
     as_rows,
     autotune,
-    await_prior_grid,
     check_real,
     check_same_device,
     check_tensor,
-    dependent_launch_options,
     is_dtensor,
     new_output,
     on_local_shards,
@@ -109,11 +107,10 @@ def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, sum_ptr, rstd_ptr,
     n_rows, n_cols, stride_x, stride_residual, stride_y, stride_sum, eps, offset,
     HAS_RESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr,
-    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Program owns ROWS rows. Reads x (and residual) once, writes y (and their sum) once, plus one
     # fp32 rstd per row. Rows wider than BLOCK_N are read twice (sum of squares, then normalise).
-    await_prior_grid(DEPENDENT_LAUNCH)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     row_ok = rows < n_rows
     input_dtype = x_ptr.dtype.element_ty
@@ -322,7 +319,7 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
         n_rows, n_cols, x2.stride(0), (residual2 if residual2 is not None else x2).stride(0),
         y2.stride(0), total2.stride(0), eps, offset,
         HAS_RESIDUAL=residual is not None, CAST_NORMED=casting == "llama",
-        SINGLE_PASS=single_pass, BLOCK_N=block_n, **dependent_launch_options(x.device),
+        SINGLE_PASS=single_pass, BLOCK_N=block_n,
     )
     return y, total, rstd
 

@@ -31,9 +31,6 @@ KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the l
     "_glu_bwd_kernel", "_cross_entropy_partials_kernel", "_cross_entropy_finish_kernel", "_cross_entropy_bwd_kernel",
     "_scale_kernel", "_decode_attention_kernel", "_linear_residual_kernel", "_norm_gated_kernel", "_qkv_rope_kernel",
     "_qkv_epilogue_kernel"}
-DEPENDENT_LAUNCH_KERNELS = {  # the kernels a GPU of sm_90+ launches as programmatic dependent launches
-    "_rms_norm_fwd_kernel", "_decode_attention_kernel", "_linear_residual_kernel", "_norm_gated_kernel",
-    "_qkv_rope_kernel"}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.int64: "i64", torch.int32: "i32"}
 
@@ -95,18 +92,6 @@ def _launches_no_config_test_makes():
         sum(t.sum() for t in fuselm.rope(q, k, cos, sin)).backward()
 
 
-def _dependent_launches(launches) -> list[dict]:
-    """One launch of each kernel with a DEPENDENT_LAUNCH constexpr (recorded off: the interpreter cannot run
-    griddepcontrol) as a GPU of sm_90+ makes it: the constexpr on, with triton's launch_pdl option. The wait it
-    adds is the same under every config, so one launch per kernel compiles it."""
-    firsts = {}
-    for launch in launches:
-        if "DEPENDENT_LAUNCH" in launch["constexprs"]:
-            firsts.setdefault(launch["kernel"], launch)
-    return [{**launch, "constexprs": {**launch["constexprs"], "DEPENDENT_LAUNCH": True}, "launch_pdl": True}
-            for launch in firsts.values()]
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real tests compile every launch")
 def test_every_launch_compiles_for_hopper(monkeypatch):
     recorder = LaunchRecorder(monkeypatch)
@@ -120,10 +105,7 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
         _launches_no_config_test_makes()
     recorded = {launch["kernel"] for launch in recorder.launches.values()}
     assert recorded >= KERNELS, f"never recorded: {KERNELS - recorded}"  # else they would pass unchecked
-    dependent = _dependent_launches(recorder.launches.values())
-    assert {launch["kernel"] for launch in dependent} == DEPENDENT_LAUNCH_KERNELS
     result = subprocess.run(
-        [sys.executable, "-m", "tests.compile_for_hopper"],
-        input=json.dumps([*recorder.launches.values(), *dependent]),
+        [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(list(recorder.launches.values())),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
