@@ -233,8 +233,9 @@ def decode_section(results: dict) -> list[str]:
     formulas = results["formulas"]
     lines = ["## Decode", "",
              (f"{results['gpu']}; torch {results['torch']}, triton {results['triton']}, transformers "
-              f"{results['transformers']}; {results['date']}. Copy bandwidth measured in the same run: "
-              f"**{results['copy_gbps']:.0f} GB/s** ({formulas['copy_gbps']})."), ""]
+              f"{results['transformers']}; fuselm {results.get('fuselm_commit')}; {results['date']}. Copy bandwidth "
+              f"measured in the same run: **{results['copy_gbps']:.0f} GB/s** ({formulas['copy_gbps']})."), ""]
+    lines += [f"Note: {note}" for note in results.get("notes", [])] + ([""] if results.get("notes") else [])
     rows = results["rows"]
     steps = [r for r in rows if r["what"] == "layer_step"]
     if steps:
