@@ -1,6 +1,8 @@
-"""Shared checks: relative error against a float64 reference, with NaN never passing."""
+"""Shared checks: relative error against a float64 reference, with NaN never passing; the ops that read a device
+value back to the host."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuselm
 
@@ -73,3 +75,18 @@ def train_lora_steps(model, steps: int = 30, first_grads: dict | None = None):
         optimizer.zero_grad()
         losses.append(loss.item())
     return torch.tensor(losses), {n: p.detach().float().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that read a device value back to the host (each a host sync on a GPU)."""
+
+    READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -14,7 +14,6 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -28,7 +27,7 @@ from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
 from fuselm.patching.modules import FusedDecoderLayer
 from tests.conftest import HAS_CUDA
-from tests.helpers import rel_err
+from tests.helpers import HostSyncs, rel_err
 from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
 from tests.patching.test_decode import CACHE_ARG
 
@@ -211,21 +210,6 @@ def test_bad_input_names_the_argument():
         fuselm.generate(model, ids, attention_mask=mask[:, 1:])
     with pytest.raises(ValueError, match="max_new_tokens"):
         fuselm.generate(model, ids, attention_mask=mask, max_new_tokens=-1)
-
-
-class HostSyncs(TorchDispatchMode):
-    """Records the ops that read a device value back to the host."""
-
-    READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in self.READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("name", FUSED_LAYERS)

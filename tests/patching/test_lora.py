@@ -8,7 +8,7 @@ from torch import nn
 
 import fuselm
 from fuselm.ops import lora as lora_op
-from tests.helpers import rel_err, train_lora_steps
+from tests.helpers import HostSyncs, rel_err, train_lora_steps
 from tests.models import tiny_model, token_ids
 from tests.patching.test_training import ALL_LINEARS, curve_distance, trainable_grads, weight_distance
 
@@ -81,6 +81,18 @@ def test_fused_lora_matches_peft(path, case, fused_calls):
     # two forwards (logits, then the loss), two layers; the reference backend runs PEFT's own forward
     assert fused_calls == (per_layer * 4 if path == "triton" else [])
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n), "the base must stay frozen"
+
+
+def test_a_fused_lora_step_never_reads_device_values_back(path, fused_calls):
+    """Forward, loss and backward of a patched LoRA model queue their kernels without one host sync (that would
+    drain the GPU's queue once per sync: a step that cannot hide its host time)."""
+    model = peft_model(ALL_LINEARS)
+    fuselm.patch(model)
+    ids = token_ids()
+    with HostSyncs() as syncs:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert bool(fused_calls) == (path == "triton")  # the reference backend runs PEFT's own forward
+    assert syncs.seen == []
 
 
 @pytest.mark.parametrize("order", ["patch-then-peft", "patch-then-peft-then-patch"])
