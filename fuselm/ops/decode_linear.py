@@ -816,8 +816,7 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
                          "(x's leading shape, weight's N)")
     _check_vector("bias", bias, weight.shape[0], x)
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and x.shape[-1] > 0
-            and not _needs_grad(x, weight, residual, bias)):
+    if runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and not _needs_grad(x, weight, residual, bias):
         return LINEAR_RESIDUAL(x, weight, residual, bias)
     return linear_residual_reference(x, weight, residual, bias)
 
