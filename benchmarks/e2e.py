@@ -28,10 +28,12 @@ own subprocess, so that neither Liger's class patches nor a peak of one impl rea
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -123,8 +125,12 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
         prompt = torch.randint(3, vocab, (batch, args.prompt), generator=tokens).to(model.device)
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         start = time.perf_counter()
-        call(model, impl, prompt, args.new)
+        profiler = cProfile.Profile() if args.profile_first_call else None
+        (profiler.runcall if profiler else lambda f, *a: f(*a))(call, model, impl, prompt, args.new)
         torch.cuda.synchronize() if torch.cuda.is_available() else None
+        if profiler:
+            print(f"{impl} B{batch} first call under cProfile, top functions by cumulative s:", flush=True)
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
         rows.append({"what": "first_call_s", "impl": impl, "batch": batch, "prompt": args.prompt, "new": args.new,
                      "s": time.perf_counter() - start})
         ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, args.new), **timed)
@@ -293,7 +299,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--prefills", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--prefills", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--impls", nargs="+", default=["fuselm.generate", "fuselm+hf_generate", "eager",
                                                         "compile_static", "liger"])
@@ -315,6 +321,8 @@ def main() -> None:
                                              "again (same what, impl, batch, prompt/tokens, checkpointing), each "
                                              "tagged with its run's date, and its top-level keys of a section not "
                                              "run now (--no-generate or --no-train)")
+    parser.add_argument("--profile-first-call", action="store_true",
+                        help="print where each first call's time goes (cProfile, top functions by cumulative time)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
     for name, full, smoke in (("train_tokens", [4096, 8192], [64, 128]), ("qlora_tokens", [4096], [64]),

@@ -19,9 +19,12 @@ Writes benchmarks/results/lora-profile-h200.json (or --out).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
 import re
+import time
 
 import peft
 import torch
@@ -92,7 +95,56 @@ def profile_step(step, cuda: bool) -> tuple[dict[str, float], list[dict]]:
     return dict(sorted(by_kind.items(), key=lambda item: -item[1])), kernels[:40]
 
 
-def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool) -> dict:
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def host_view(step, cuda: bool) -> dict:
+    """Where the host's time goes in one call of ``step``: the wall time to issue it (``issue_ms``, before the
+    synchronize; near the step's time when the host, not the GPU, sets the pace), the kernel launches, the top
+    operators by self CPU time (torch.profiler) and the top Python functions by own time (cProfile; both inflate
+    the host's time, their shares are what counts)."""
+    issue = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        step()
+        issue.append((time.perf_counter() - began) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    launches = sum(e.count for e in events if e.key in LAUNCHES)
+    ops = sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]
+    profiler = cProfile.Profile()
+    profiler.runcall(step)
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
+    functions = sorted(stats.items(), key=lambda item: -item[1][2])[:30]
+    return {
+        "issue_ms": sorted(issue)[1], "kernel_launches": launches,
+        "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops],
+        "top_python": [{"function": f"{name} ({file.rsplit('/', 2)[-1]}:{line})", "calls": calls,
+                        "own_ms": own * 1e3, "cumulative_ms": cumulative * 1e3}
+                       for (file, line, name), (_, calls, own, cumulative, _) in functions],
+    }
+
+
+def print_host_view(variant: str, host: dict) -> None:
+    print(f"\n{variant}: issue {host['issue_ms']:.1f} ms, {host['kernel_launches']} kernel launches; "
+          "top operators by self CPU ms (calls):")
+    for op in host["top_host_ops"][:15]:
+        print(f"  {op['self_ms']:8.1f} ({op['calls']:5d})  {op['name']}")
+    print("  top Python functions by own ms (calls, cumulative ms), under cProfile:")
+    for fn in host["top_python"][:20]:
+        print(f"  {fn['own_ms']:8.1f} ({fn['calls']:5d}, {fn['cumulative_ms']:8.1f})  {fn['function']}")
+
+
+def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool, host: bool = False) -> dict:
     """Time, memory and profile of AdamW LoRA steps of ``model`` (a PEFT model) patched as ``variant`` says."""
     fuselm.unpatch(model)
     report = None
@@ -104,9 +156,13 @@ def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool) -> di
     by_kind, kernels = profile_step(step, cuda)
     print(f"{variant}: {step_ms:.1f} ms/step, {ids.numel() / step_ms * 1e3:.0f} tok/s, peak {peak:.1f} GiB, "
           f"profiled {sum(by_kind.values()):.1f} ms", flush=True)
-    return {"variant": variant, "step_ms": step_ms, "tok_per_s": ids.numel() / step_ms * 1e3, "peak_gib": peak,
-            "profiled_ms": sum(by_kind.values()), "ms_by_kind": by_kind, "top_kernels": kernels,
-            "patch_report": report}
+    run = {"variant": variant, "step_ms": step_ms, "tok_per_s": ids.numel() / step_ms * 1e3, "peak_gib": peak,
+           "profiled_ms": sum(by_kind.values()), "ms_by_kind": by_kind, "top_kernels": kernels,
+           "patch_report": report}
+    if host:
+        run["host"] = host_view(step, cuda)
+        print_host_view(variant, run["host"])
+    return run
 
 
 def main() -> None:
@@ -118,6 +174,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lora-profile-h200.json "
                                                     "(qlora-profile-h200.json with --qlora; /tmp with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
+    parser.add_argument("--host", action="store_true", help="also where the host's time goes (see host_view)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     name = "qlora-profile" if args.qlora else "lora-profile"
@@ -127,7 +184,7 @@ def main() -> None:
     ids = ids.to(next(model.parameters()).device)
     tflops = gemm_tflops() if cuda else float("nan")
     flops = base_gemm_flops(model.config, args.tokens)
-    runs = [measure(model, variant, ids, cuda) for variant in args.variants]
+    runs = [measure(model, variant, ids, cuda, args.host) for variant in args.variants]
     results = {
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
         "transformers": transformers.__version__, "peft": peft.__version__,
