@@ -10,20 +10,23 @@ base output promoted to fp32 and casts the sum back: several full-size fp32 pass
 backward by every LoRA layer. The fused path instead computes in x's dtype on tensor cores with fp32 accumulation,
 casting only the small adapters (A, B: r·(K + N) elements) to x's dtype; no fp32 copy of x exists:
 
-    forward   t = x [A₁; A₂; ...]ᵀ                   one GEMM for the group, [M, Σr], x read once
-              out_i = base_i + s_i · t_i B_iᵀ         cuBLAS addmm: fp32 accumulate, one rounding in the epilogue
-    backward  u_i = dy_i B_i                         [M, r_i]
-              dx = [u₁ | u₂ | ...] [s₁A₁; s₂A₂; ...]  one GEMM for the group (the LoRA part of dx only)
-              dA = s · uᵀ x,  dB_i = s_i · dy_iᵀ t_i  bf16/fp16 inputs, fp32 outputs (the adapters' grads stay fp32)
+    adapters  A_cat = [A₁; A₂; ...], B'_i = s_i · B_i  in x's dtype, once per call (small: r·(K + N) elements)
+    forward   t = x A_catᵀ                           one GEMM for the group, [M, Σr], x read once
+              out_i = base_i + t_i B'_iᵀ              cuBLAS addmm: fp32 accumulate, one rounding in the epilogue
+    backward  w_i = dy_i B'_i  (= s_i · dy_i B_i)     [M, r_i]
+              dx = [w₁ | w₂ | ...] A_cat             one GEMM for the group (the LoRA part of dx only)
+              dA_i = w_iᵀ x,  dB_i = s_i · dy_iᵀ t_i  bf16/fp16 inputs, fp32 outputs (the adapters' grads stay fp32)
               d base_i = dy_i                        (the base layer's own autograd carries it on: frozen weights)
 
-Saved for backward: x (in its dtype; one tensor for the whole group) and t ([M, Σr], r/K of x's size); nothing in
-fp32, nothing of size [M, N]. The down projection's x, the GLU's output, is not kept: given ``glu_inputs`` backward
-recomputes it from gate and up, which the GLU's backward keeps anyway (one elementwise pass instead of [M, I]
-more memory per layer). t goes through HBM once each way: it is Σr columns wide, and keeping it (rather than
-recomputing x Aᵀ) saves a read of x in backward. Every step is a cuBLAS GEMM whose epilogue does the adds and the
-scaling; no elementwise kernel is left to fuse, so there is no Triton kernel here (a Triton GEMM would have to beat
+Saved for backward: x (in its dtype; one tensor for the whole group), t ([M, Σr], r/K of x's size) and the cast
+adapters; nothing in fp32, nothing of size [M, N]. The down projection's x, the GLU's output, is not kept: given
+``glu_inputs`` backward recomputes it from gate and up, which the GLU's backward keeps anyway (one elementwise pass
+instead of [M, I] more memory per layer). t goes through HBM once each way: it is Σr columns wide, and keeping it
+(rather than recomputing x Aᵀ) saves a read of x in backward. Every step is a cuBLAS GEMM whose epilogue does the
+adds; no elementwise kernel is left to fuse, so there is no Triton kernel here (a Triton GEMM would have to beat
 cuBLAS on the base-sized products). The base GEMM stays the base layer's own call, so quantised bases work alike.
+A q/k/v group takes 9 launches forward and 14 backward (1 + 5 per projection for o and down); the step is
+host-bound at 4096 tokens, so launches count (benchmarks/NOTES.md).
 
 Both paths give ``out`` in base_out's dtype. The reference is PEFT's own arithmetic (fp32 branch when A is fp32).
 """
@@ -70,77 +73,86 @@ def _projections(args: tuple) -> list[tuple[Tensor, Tensor, Tensor]]:
     return [tuple(args[i:i + 3]) for i in range(0, 3 * MAX_SHARED, 3) if args[i] is not None]
 
 
-def _stacked(adapters: list[Tensor], dtype: torch.dtype, scalings: Sequence[float] | None = None) -> Tensor:
-    """The A matrices [r_i, K] (times scaling_i) stacked into one [Σr, K] in ``dtype``: small copies."""
-    if scalings is not None:
-        adapters = [a * s for a, s in zip(adapters, scalings)]
-    return torch.cat([a.to(dtype) for a in adapters]) if len(adapters) > 1 else adapters[0].to(dtype)
+def _half_adapters(projections: list[tuple[Tensor, Tensor, Tensor]], scalings: Sequence[float],
+                   dtype: torch.dtype) -> list[Tensor]:
+    """[A_cat, s_1 B_1, s_2 B_2, ...] in ``dtype``: the group's A matrices stacked [Σr, K] and each B [N_i, r_i]
+    times its scaling, one small kernel each (the step's only casts of the adapters: backward reuses them). Always
+    new tensors, never an alias of an input."""
+    lora_as = [a for _, a, _ in projections]
+    a_cat = torch.cat(lora_as).to(dtype) if len(lora_as) > 1 else lora_as[0].to(dtype, copy=True)
+    scaled = [torch.mul(b, scaling, out=b.new_empty(b.shape, dtype=dtype))
+              for (_, _, b), scaling in zip(projections, scalings)]
+    return [a_cat, *scaled]
 
 
 def _lora_add_impl(x: Tensor, base0: Tensor, a0: Tensor, b0: Tensor, base1: Tensor | None, a1: Tensor | None,
                    b1: Tensor | None, base2: Tensor | None, a2: Tensor | None, b2: Tensor | None,
                    gate: Tensor | None, up: Tensor | None, scalings: list[float], activation: str) -> list[Tensor]:
-    """[out_0, ..., out_{n-1}, t]: t = x Aᵀ [M, Σr] in x's dtype, returned for backward (not differentiable).
-    ``gate`` given: x is ``GATED[activation](gate, up)``, which backward recomputes instead of keeping x."""
+    """[out_0, ..., out_{n-1}, t, A_cat, s_0 B_0, ...]: t = x Aᵀ [M, Σr] and the adapters in x's dtype
+    (:func:`_half_adapters`), returned for backward (not differentiable). ``gate`` given: x is
+    ``GATED[activation](gate, up)``, which backward recomputes instead of keeping x."""
     projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
     with torch.autocast(x.device.type, enabled=False):
         rows = as_rows(x)
-        t = rows @ _stacked([a for _, a, _ in projections], x.dtype).t()
+        a_cat, *scaled_bs = _half_adapters(projections, scalings, x.dtype)
+        t = rows @ a_cat.t()
         outs, start = [], 0
-        for (base, a, b), scaling in zip(projections, scalings):
-            rank = a.shape[0]
-            out = torch.addmm(as_rows(base), t[:, start:start + rank], b.to(x.dtype).t(), alpha=scaling)
-            outs.append(out.view(base.shape))
+        for (base, _, _), scaled_b in zip(projections, scaled_bs):
+            rank = scaled_b.shape[1]
+            outs.append(torch.addmm(as_rows(base), t[:, start:start + rank], scaled_b.t()).view(base.shape))
             start += rank
-    return [*outs, t]
+    return [*outs, t, a_cat, *scaled_bs]
 
 
 def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, scalings, activation):
     projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
     rank = sum(a.shape[0] for _, a, _ in projections)
-    return [base.new_empty(base.shape) for base, _, _ in projections] + [x.new_empty((x.numel() // x.shape[-1], rank))]
+    return ([base.new_empty(base.shape) for base, _, _ in projections]
+            + [x.new_empty((x.numel() // x.shape[-1], rank)), x.new_empty((rank, x.shape[-1]))]
+            + [b.new_empty(b.shape, dtype=x.dtype) for _, _, b in projections])
 
 
 def _setup_lora_add(ctx, inputs, output):
     x, *flat, gate, up, scalings, activation = inputs
     projections = _projections(tuple(flat))
-    t = output[-1]
-    ctx.mark_non_differentiable(t)
+    internals = output[len(projections):]  # t, A_cat and the scaled Bs
+    ctx.mark_non_differentiable(*internals)
     ctx.set_materialize_grads(False)  # an output nobody used (t, or a projection) gets None, not zeros
     # x, or the GLU's inputs it is made from (which the GLU's own backward keeps anyway)
     kept = (x, None) if gate is None else (gate, up)
-    ctx.save_for_backward(*kept, t, *(a for _, a, _ in projections), *(b for _, _, b in projections))
+    ctx.save_for_backward(*kept, *internals)
+    ctx.adapter_dtypes = [a.dtype for _, a, _ in projections]
     ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
 
 
 def _backward_lora_add(ctx, grads):
-    x, up, t, *adapters = ctx.saved_tensors
-    count = len(adapters) // 2
-    lora_as, lora_bs, scalings = adapters[:count], adapters[count:], ctx.scalings
-    needs = ctx.needs_input_grad
+    """With w_i = dy_i (s_i B_i) = s_i u_i:  dA_i = w_iᵀ x,  dB_i = s_i dy_iᵀ t_i,  dx = [w_1 | w_2 | ...] A_cat."""
+    x, up, t, a_cat, *scaled_bs = ctx.saved_tensors
+    needs, scalings = ctx.needs_input_grad, ctx.scalings
     if ctx.recompute:  # x saved as the GLU's inputs (gate, up): x again, as the forward's GLU made it
         with torch.no_grad():
             x = GATED[ctx.activation](x, up)
-    dtype = x.dtype
     rows = as_rows(x)
     result = [None] * (1 + 3 * MAX_SHARED + 4)
+    ws, start = [], 0
     with torch.autocast(x.device.type, enabled=False):
-        dys = [None if dy is None else as_rows(dy) for dy in grads[:count]]
-        # u_i = dy_i B_i; zero where the projection's output got no gradient (its adapters then get none)
-        us = [rows.new_zeros((rows.shape[0], b.shape[1])) if dy is None else dy @ b.to(dtype)
-              for dy, b in zip(dys, lora_bs)]
-        start = 0
-        for i, (dy, a, b, scaling) in enumerate(zip(dys, lora_as, lora_bs, scalings)):
-            rank = a.shape[0]
-            result[1 + 3 * i] = grads[i] if needs[1 + 3 * i] else None  # the base output's gradient passes through
-            if needs[2 + 3 * i] and dy is not None:
-                result[2 + 3 * i] = (_mm_fp32(us[i].t(), rows) * scaling).to(a.dtype)
-            if needs[3 + 3 * i] and dy is not None:
-                result[3 + 3 * i] = (_mm_fp32(dy.t(), t[:, start:start + rank]) * scaling).to(b.dtype)
+        for i, (dy, scaled_b, dtype) in enumerate(zip(grads, scaled_bs, ctx.adapter_dtypes)):
+            rank = scaled_b.shape[1]
+            result[1 + 3 * i] = dy if needs[1 + 3 * i] else None  # the base output's gradient passes through
+            if dy is None:  # an output nobody used: its adapters get no gradient, x none from it
+                ws.append(rows.new_zeros((rows.shape[0], rank)))
+            else:
+                dy = as_rows(dy)
+                ws.append(dy @ scaled_b)
+                if needs[2 + 3 * i]:
+                    result[2 + 3 * i] = _mm_fp32(ws[-1].t(), rows).to(dtype)
+                if needs[3 + 3 * i]:
+                    grad_b = _mm_fp32(dy.t(), t[:, start:start + rank])
+                    result[3 + 3 * i] = (grad_b.mul_(scalings[i]) if scalings[i] != 1 else grad_b).to(dtype)
             start += rank
         if needs[0]:
-            u = torch.cat(us, dim=1) if count > 1 else us[0]
-            result[0] = (u @ _stacked(list(lora_as), dtype, scalings)).view(x.shape)
+            w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]
+            result[0] = (w @ a_cat).view(x.shape)
     return tuple(result)
 
 
@@ -198,7 +210,7 @@ def lora_add_shared(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Te
         return [lora_add_reference(x, *args) for args in zip(base_outs, lora_as, lora_bs, scalings)]
     flat = [tensor for projection in zip(base_outs, lora_as, lora_bs) for tensor in projection]
     flat += [None] * (3 * MAX_SHARED - len(flat))
-    return LORA_ADD(x, *flat, gate, up, scalings, activation)[:-1]
+    return LORA_ADD(x, *flat, gate, up, scalings, activation)[:len(base_outs)]
 
 
 def _check_glu_inputs(x: Tensor, glu_inputs: tuple | None) -> tuple[Tensor | None, Tensor | None, str]:

@@ -196,13 +196,13 @@ _BWD_CONFIGS = [
 ]
 
 
-@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL"],
+@autotune(_BWD_CONFIGS, key=["n_cols", "HAS_DSUM", "HAS_DRESIDUAL", "HAS_DWEIGHT"],
           prune_configs_by={"early_config_prune": _prune_by_registers})
 @triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr, dsum_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dresidual_ptr, dweight_partial_ptr,
     n_rows, n_cols, stride_dy, stride_dsum, stride_x, stride_dx, stride_dresidual, offset,
-    HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr, CAST_NORMED: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_DRESIDUAL: tl.constexpr, HAS_DWEIGHT: tl.constexpr, CAST_NORMED: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
@@ -213,7 +213,8 @@ def _rms_norm_bwd_kernel(
     # With PREFETCH the next row block's loads are issued before this block's reduction (two blocks
     # in flight). Wider rows are read twice (the row's mean_dot first, then dx) with their weight
     # chunks, and their dweight partials accumulate in place in the program's own row of the
-    # partial buffer (its first row block stores them).
+    # partial buffer (its first row block stores them). Without HAS_DWEIGHT (a frozen weight, as under
+    # LoRA) no partial is written.
     program = tl.program_id(0)
     partial_row = dweight_partial_ptr + program.to(tl.int64) * n_cols
     input_dtype = x_ptr.dtype.element_ty
@@ -240,7 +241,8 @@ def _rms_norm_bwd_kernel(
                                              stride_dy, stride_x, stride_dsum, HAS_DSUM)
             x, dy, dsum, rstd = next_block
             rows = next_rows
-        tl.store(partial_row + block, dweight, mask=block < n_cols)
+        if HAS_DWEIGHT:
+            tl.store(partial_row + block, dweight, mask=block < n_cols)
     else:
         for first_row in range(program * ROWS, n_rows, step):
             rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)[:, None]
@@ -263,12 +265,13 @@ def _rms_norm_bwd_kernel(
                 weight = _load_weight(weight_ptr, cols, n_cols, offset)
                 contribution = _store_dx(x, dy, dsum, weight, rstd, mean_dot, dx_ptr, dresidual_ptr, rows, cols,
                                          mask, stride_dx, stride_dresidual, HAS_DRESIDUAL, CAST_NORMED, input_dtype)
-                col_ok = start + block < n_cols
-                chunk = partial_row + start + block
-                # 0 on the first block; tl.where, as `&` with this scalar test makes an int32 mask in triton's
-                # interpreter, which triton 3.9's refuses
-                earlier = tl.load(chunk, mask=tl.where(first_row > program * ROWS, col_ok, False), other=0.0)
-                tl.store(chunk, earlier + contribution, mask=col_ok)
+                if HAS_DWEIGHT:
+                    col_ok = start + block < n_cols
+                    chunk = partial_row + start + block
+                    # 0 on the first block; tl.where, as `&` with this scalar test makes an int32 mask in triton's
+                    # interpreter, which triton 3.9's refuses
+                    earlier = tl.load(chunk, mask=tl.where(first_row > program * ROWS, col_ok, False), other=0.0)
+                    tl.store(chunk, earlier + contribution, mask=col_ok)
 
 
 SUM_BLOCK_COLS, SUM_BLOCK_ROWS = 32, 128
@@ -324,20 +327,21 @@ def _launch_fwd(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
     return y, total, rstd
 
 
-def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
-                offset: float, casting: str, separate_residual_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor, offset: float,
+                casting: str, separate_residual_grad: bool, weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     x2, dy2 = as_rows(x), as_rows(dy)
     dsum2 = as_rows(dsum) if dsum is not None else None
     n_rows, n_cols = x2.shape
     dx = new_output(x.shape, x.dtype, x.device)
     dresidual = new_output(x.shape if separate_residual_grad else (0,), x.dtype, x.device)
     if n_rows == 0:
-        return dx, torch.zeros_like(weight), dresidual
+        return dx, torch.zeros_like(weight) if weight_grad else weight.new_empty(0), dresidual
     block_n, single_pass = _block_cols(n_cols)
     n_sms = sm_count(x.device)
-    # one fp32 row of dweight partial sums per program; the autotuner picks how many programs run
+    # one fp32 row of dweight partial sums per program; the autotuner picks how many programs run (none written
+    # without weight_grad: rstd stands in for the pointer)
     max_programs = min(n_sms * MAX_PROGRAMS_PER_SM, n_rows)
-    partial = new_output((max_programs, n_cols), torch.float32, x.device)
+    partial = new_output((max_programs, n_cols), torch.float32, x.device) if weight_grad else rstd
     dx2 = dx.view(-1, n_cols)
     dresidual2 = dresidual.view(-1, n_cols) if separate_residual_grad else dx2
     grid = lambda meta: (min(n_sms * meta["PROGRAMS_PER_SM"], triton.cdiv(n_rows, meta["ROWS"])),)  # noqa: E731
@@ -345,9 +349,11 @@ def _launch_bwd(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd
         dy2, dsum2 if dsum2 is not None else dy2, x2, weight.contiguous(), rstd.reshape(-1), dx2, dresidual2, partial,
         n_rows, n_cols, dy2.stride(0), (dsum2 if dsum2 is not None else dy2).stride(0), x2.stride(0),
         dx2.stride(0), dresidual2.stride(0), offset,
-        HAS_DSUM=dsum is not None, HAS_DRESIDUAL=separate_residual_grad, CAST_NORMED=casting == "llama",
-        SINGLE_PASS=single_pass, BLOCK_N=block_n,
+        HAS_DSUM=dsum is not None, HAS_DRESIDUAL=separate_residual_grad, HAS_DWEIGHT=weight_grad,
+        CAST_NORMED=casting == "llama", SINGLE_PASS=single_pass, BLOCK_N=block_n,
     )
+    if not weight_grad:
+        return dx, weight.new_empty(0), dresidual
     dweight = new_output(weight.shape, weight.dtype, weight.device)
     _dweight_sum_kernel[(triton.cdiv(n_cols, SUM_BLOCK_COLS),)](
         partial, dweight, grid(_rms_norm_bwd_kernel.best_config.kwargs)[0], n_cols,
@@ -367,9 +373,11 @@ def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
 
 
 def _rms_norm_backward_impl(dy: Tensor, dsum: Tensor | None, x: Tensor, weight: Tensor, rstd: Tensor,
-                            offset: float, casting: str, separate_residual_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dresidual): dresidual is a second copy of dx when ``separate_residual_grad``, else empty."""
-    return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad)
+                            offset: float, casting: str, separate_residual_grad: bool,
+                            weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dresidual): dresidual is a second copy of dx when ``separate_residual_grad``, else empty;
+    dweight is empty without ``weight_grad`` (a frozen weight: nothing computed for it)."""
+    return _launch_bwd(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad, weight_grad)
 
 
 # the fakes give the launchers' contiguous outputs
@@ -382,9 +390,9 @@ def _add_rms_norm_fake(x, residual, weight, eps, offset, casting):
     return y, x.new_empty(x.shape), rstd
 
 
-def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad):
+def _rms_norm_backward_fake(dy, dsum, x, weight, rstd, offset, casting, separate_residual_grad, weight_grad):
     dresidual_shape = x.shape if separate_residual_grad else (0,)
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(dresidual_shape)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if weight_grad else (0,)), x.new_empty(dresidual_shape)
 
 
 def _setup_rms_norm(ctx, inputs, output):
@@ -395,8 +403,9 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _backward_rms_norm(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight, _ = RMS_NORM_BACKWARD(dy, None, x, weight, rstd, ctx.offset, ctx.casting, False)
-    return dx, dweight, None, None, None
+    weight_grad = ctx.needs_input_grad[1]
+    dx, dweight, _ = RMS_NORM_BACKWARD(dy, None, x, weight, rstd, ctx.offset, ctx.casting, False, weight_grad)
+    return dx, dweight if weight_grad else None, None, None, None
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
@@ -414,9 +423,10 @@ def _backward_add_rms_norm(ctx, dy, dsum, _drstd):
     total, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(total)
+    weight_grad = ctx.needs_input_grad[2]
     dx, dweight, dresidual = RMS_NORM_BACKWARD(dy, dsum, total, weight, rstd, ctx.offset, ctx.casting,
-                                               ctx.separate_residual_grad)
-    return dx, dresidual if ctx.separate_residual_grad else dx, dweight, None, None, None
+                                               ctx.separate_residual_grad, weight_grad)
+    return dx, dresidual if ctx.separate_residual_grad else dx, dweight if weight_grad else None, None, None, None
 
 
 RMS_NORM_BACKWARD = FusedOp("rms_norm_backward", _rms_norm_backward_impl, fake=_rms_norm_backward_fake)

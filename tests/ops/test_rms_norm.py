@@ -58,6 +58,26 @@ def test_add_rms_norm_matches_float64(path, device, shape, dtype, casting, offse
     assert_close(dw, dw64, dtype, "dweight", scale=2)
 
 
+@pytest.mark.parametrize("shape", [(5, 37), (2, 20000)])  # one pass, looped
+@pytest.mark.parametrize("residual", [False, True])
+def test_gradients_with_a_frozen_weight(path, device, shape, residual):
+    """A frozen norm weight (LoRA): the backward kernel then computes no weight gradient (no partial sums, no
+    reduction launch); x's (and the residual's) gradients are still the float64 reference's."""
+    x, w, r = _inputs(shape, torch.float32, device, residual=residual)
+    w.requires_grad_(False)
+    outputs = fuselm.add_rms_norm(x, r, w, 1e-5) if residual else (fuselm.rms_norm(x, w, 1e-5),)
+    upstream = [randn(*shape, device=device) for _ in outputs]
+    leaves = (x, r) if residual else (x,)
+    got = grads(outputs, leaves, upstream)
+    leaves64 = [float64_leaf(t) for t in leaves]
+    w64 = w.detach().double()
+    outputs64 = (add_rms_norm_reference(*leaves64, w64, 1e-5) if residual
+                 else (rms_norm_reference(leaves64[0], w64, 1e-5),))
+    expected = grads(outputs64, leaves64, [dy.double() for dy in upstream])
+    for name, grad, grad64 in zip(("dx", "dresidual"), got, expected):
+        assert_close(grad, grad64, torch.float32, name)
+
+
 @pytest.mark.parametrize("leaves", ["both", "residual", "neither"])
 def test_add_rms_norm_gradients_reach_leaf_and_inner_inputs(path, device, leaves):
     """x and residual share one gradient. A leaf's .grad must be its own tensor (the kernel then
