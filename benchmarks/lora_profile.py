@@ -98,11 +98,10 @@ def profile_step(step, cuda: bool) -> tuple[dict[str, float], list[dict]]:
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
-def host_view(step, cuda: bool) -> dict:
-    """Where the host's time goes in one call of ``step``: the wall time to issue it (``issue_ms``, before the
-    synchronize; near the step's time when the host, not the GPU, sets the pace), the kernel launches, the top
-    operators by self CPU time (torch.profiler) and the top Python functions by own time (cProfile; both inflate
-    the host's time, their shares are what counts)."""
+def issue_ms(step, cuda: bool) -> float:
+    """The median wall time of 3 calls of ``step`` from a synchronised start until it returns (before the
+    synchronize): the host's time for a step, near the step's own time when the host, not the GPU, sets the pace.
+    Measured before any profiler runs in the process (a profiled run leaves later launches slower)."""
     issue = []
     for _ in range(3):
         if cuda:
@@ -112,6 +111,13 @@ def host_view(step, cuda: bool) -> dict:
         issue.append((time.perf_counter() - began) * 1e3)
         if cuda:
             torch.cuda.synchronize()
+    return sorted(issue)[1]
+
+
+def host_view(step, cuda: bool) -> dict:
+    """Where the host's time goes in one call of ``step``: the kernel launches, the top operators by self CPU time
+    (torch.profiler; its run takes torch.library's dispatch for fuselm's ops, which plain calls skip) and the top
+    Python functions by own time (cProfile). Both inflate the host's time: their shares are what counts."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
         if cuda:
@@ -126,7 +132,7 @@ def host_view(step, cuda: bool) -> dict:
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
     functions = sorted(stats.items(), key=lambda item: -item[1][2])[:30]
     return {
-        "issue_ms": sorted(issue)[1], "kernel_launches": launches,
+        "kernel_launches": launches,
         "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops],
         "top_python": [{"function": f"{name} ({file.rsplit('/', 2)[-1]}:{line})", "calls": calls,
                         "own_ms": own * 1e3, "cumulative_ms": cumulative * 1e3}
@@ -152,6 +158,7 @@ def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool, host:
         report = str(fuselm.patch(model, lora=variant == "fuselm.patch"))
     step = adamw_step(model, ids)
     step_ms = median_ms(step, min_repeats=3)
+    issue = issue_ms(step, cuda) if host else None
     peak = peak_gib(step)
     by_kind, kernels = profile_step(step, cuda)
     print(f"{variant}: {step_ms:.1f} ms/step, {ids.numel() / step_ms * 1e3:.0f} tok/s, peak {peak:.1f} GiB, "
@@ -160,7 +167,7 @@ def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool, host:
            "profiled_ms": sum(by_kind.values()), "ms_by_kind": by_kind, "top_kernels": kernels,
            "patch_report": report}
     if host:
-        run["host"] = host_view(step, cuda)
+        run["host"] = {"issue_ms": issue, **host_view(step, cuda)}
         print_host_view(variant, run["host"])
     return run
 

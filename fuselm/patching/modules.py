@@ -27,6 +27,7 @@ from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.lora import lora_add, lora_add_reference, lora_add_shared
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
+from fuselm.patching.quantized import nf4_group_outputs, takes_nf4_group
 
 _PRIMED = "_fuselm_primed"  # on a residual-stream tensor: (norm module, tensor version, normed tensor)
 NEXT_NORM = "_fuselm_next_norm"  # in a decoder layer's __dict__: the norm module after it (or None)
@@ -281,8 +282,9 @@ def lora_call_args(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, float] 
 
 class FusedLoraLinear:
     """A PEFT LoRA layer whose adapter branch runs as ``fuselm.lora_add`` (see ``fuselm/ops/lora.py``): the base
-    layer's own forward (``nn.Linear``, bitsandbytes 4-bit, ...), then the branch on tensor cores in x's dtype,
-    with no fp32 copy of x. Calls that :func:`lora_call_args` refuses run PEFT's forward.
+    layer's own forward (``nn.Linear``, ...; bitsandbytes 4-bit bases of one input as one dequantised weight and one
+    GEMM, ``quantized.py``), then the branch on tensor cores in x's dtype, with no fp32 copy of x. Calls that
+    :func:`lora_call_args` refuses run PEFT's forward.
 
     q/k/v share one read of x: the first fused one of an attention's q/k/v projections (which HF calls first)
     holds the others (:data:`SHARES_INPUT_WITH`, linked by ``patch``), computes all their outputs in one
@@ -338,9 +340,18 @@ def _fused_adapters(layers: list[nn.Module], x: Tensor) -> list[tuple[Tensor, Te
     return None if None in adapters else adapters
 
 
+def _base_outputs(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
+    """The LoRA layers' base layers' outputs for x: bitsandbytes 4-bit bases as one dequantised weight and one GEMM
+    (``quantized.py``) where bitsandbytes' own call would compute the same, else each base layer's own call."""
+    bases = [layer.base_layer for layer in layers]
+    if all(takes_nf4_group(base, x) and not hooked(base) for base in bases):
+        return nf4_group_outputs(bases, x)
+    return [base(x) for base in bases]
+
+
 def _lora_outputs(layers: list[nn.Module], adapters: list[tuple[Tensor, Tensor, float]], x: Tensor) -> list[Tensor]:
-    """The layers' outputs for x: their base layers' own outputs plus their branches in one ``lora_add_shared``."""
-    base_outs = [layer.base_layer(x) for layer in layers]
+    """The layers' outputs for x: their base layers' outputs plus their branches in one ``lora_add_shared``."""
+    base_outs = _base_outputs(layers, x)
     if any(out.dtype != x.dtype for out in base_outs):  # a base layer that returns another dtype: PEFT's arithmetic
         return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
     lora_as, lora_bs, scalings = zip(*adapters)
@@ -360,7 +371,7 @@ def down_projection(layer: nn.Module, hidden: Tensor, gate: Tensor, up: Tensor |
     adapter = lora_call_args(layer, hidden) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
     if adapter is None or hidden.dtype != gate.dtype or (up is not None and up.dtype != gate.dtype):
         return layer(hidden)
-    base_out = layer.base_layer(hidden)
+    (base_out,) = _base_outputs([layer], hidden)
     if base_out.dtype != hidden.dtype:
         return lora_add_reference(hidden, base_out, *adapter)
     return lora_add(hidden, base_out, *adapter, glu_inputs=(gate, up, activation))
