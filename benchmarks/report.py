@@ -220,6 +220,12 @@ def lora_profile_section(results: dict, title: str) -> list[str]:
         lines.append(f"| GPU ms: {kind} | " + " | ".join(f"{run['ms_by_kind'].get(kind, 0.0):.1f}" for run in runs)
                      + " |")
     lines.append("| GPU ms profiled | " + " | ".join(f"{run['profiled_ms']:.1f}" for run in runs) + " |")
+    if all("host" in run for run in runs):  # lora_profile.py --host
+        lines.append("| host: kernel launches | " + " | ".join(f"{run['host']['kernel_launches']}" for run in runs)
+                     + " |")
+        lines.append("| host: ms to issue a step | " + " | ".join(f"{run['host']['issue_ms']:.1f}" for run in runs)
+                     + " |")
+    lines += [""] + [f"Note: {note}" for note in results.get("notes", [])]
     return lines + ["", f"The frozen base's GEMMs: {results['base_gemm_tflop']:.1f} TFLOP = "
                     f"{results['base_gemm_flop_time_ms']:.1f} ms at the {results['bf16_gemm_tflops_measured']:.0f} "
                     "TFLOP/s measured in the same run (4 · tokens · Σ K·N over the projections and the lm_head)."]
@@ -472,7 +478,9 @@ def main() -> None:
             out += [*links, ""]
     if any(row["what"] in TRAIN_STEPS for row in e2e["rows"]):
         out += train_step_section(e2e) + [""]
-    for name, title in (("lora-profile-h200.json", "LoRA step"), ("qlora-profile-h200.json", "QLoRA step")):
+    for name, title in (("lora-profile-h200.json", "LoRA step"), ("qlora-profile-h200.json", "QLoRA step"),
+                        ("lora-host-h200.json", "LoRA step, host view"),
+                        ("qlora-host-h200.json", "QLoRA step, host view")):
         profile = RESULTS / name
         if profile.exists():
             out += lora_profile_section(json.loads(profile.read_text()), title) + [""]

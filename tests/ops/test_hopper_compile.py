@@ -74,7 +74,7 @@ class LaunchRecorder:
 
 
 def _launches_no_config_test_makes():
-    """Cross-entropy's kernels under each option, RMSNorm's wide-row path, partial rotary RoPE."""
+    """Cross-entropy's kernels under each option, RMSNorm's wide-row path and frozen weight, partial rotary RoPE."""
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(6, 300, dtype=dtype, requires_grad=True)
         labels = torch.randint(0, 300, (6,))
@@ -87,6 +87,9 @@ def _launches_no_config_test_makes():
         x = torch.randn(2, 20000, dtype=dtype, requires_grad=True)
         w = torch.randn(20000, dtype=dtype, requires_grad=True)
         fuselm.add_rms_norm(x, x.detach() * 0.5, w)[0].sum().backward()
+        # a frozen weight (LoRA): the backward without weight partials, one pass and looped
+        fuselm.add_rms_norm(x, x.detach() * 0.5, w.detach())[0].sum().backward()
+        fuselm.rms_norm(hidden, torch.randn(16, dtype=dtype)).sum().backward()
         q, k = torch.randn(1, 2, 3, 16, dtype=dtype, requires_grad=True), torch.randn(1, 1, 3, 16, dtype=dtype)
         cos, sin = torch.randn(1, 3, 8, dtype=dtype), torch.randn(1, 3, 8, dtype=dtype)
         sum(t.sum() for t in fuselm.rope(q, k, cos, sin)).backward()
