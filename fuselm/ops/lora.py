@@ -10,23 +10,26 @@ base output promoted to fp32 and casts the sum back: several full-size fp32 pass
 backward by every LoRA layer. The fused path instead computes in x's dtype on tensor cores with fp32 accumulation,
 casting only the small adapters (A, B: r·(K + N) elements) to x's dtype; no fp32 copy of x exists:
 
-    adapters  A_cat = [A₁; A₂; ...], B'_i = s_i · B_i  in x's dtype, once per call (small: r·(K + N) elements)
-    forward   t = x A_catᵀ                           one GEMM for the group, [M, Σr], x read once
-              out_i = base_i + t_i B'_iᵀ              cuBLAS addmm: fp32 accumulate, one rounding in the epilogue
-    backward  w_i = dy_i B'_i  (= s_i · dy_i B_i)     [M, r_i]
-              dx = [w₁ | w₂ | ...] A_cat             one GEMM for the group (the LoRA part of dx only)
-              dA_i = w_iᵀ x,  dB_i = s_i · dy_iᵀ t_i  bf16/fp16 inputs, fp32 outputs (the adapters' grads stay fp32)
+    adapters  A'_cat = [s₁A₁; s₂A₂; ...], B_i     in x's dtype, once per call (small: r·(K + N) elements)
+    forward   t' = x A'_catᵀ                         one GEMM for the group, [M, Σr], x read once
+              out_i = base_i + t'_i B_iᵀ              cuBLAS addmm: fp32 accumulate, one rounding in the epilogue
+    backward  u_i = dy_i B_i                         [M, r_i]
+              dx = [u₁ | u₂ | ...] A'_cat            one GEMM for the group (the LoRA part of dx only)
+              [dA₁; dA₂; ...] = s ⊙ [u₁ | ...]ᵀ x     one GEMM for the group, fp32 out (the adapters' grads stay fp32)
+              dB_i = dy_iᵀ t'_i                      bf16/fp16 inputs, fp32 output
               d base_i = dy_i                        (the base layer's own autograd carries it on: frozen weights)
 
-Saved for backward: x (in its dtype; one tensor for the whole group), t ([M, Σr], r/K of x's size) and the cast
+Saved for backward: x (in its dtype; one tensor for the whole group), t' ([M, Σr], r/K of x's size) and the cast
 adapters; nothing in fp32, nothing of size [M, N]. The down projection's x, the GLU's output, is not kept: given
 ``glu_inputs`` backward recomputes it from gate and up, which the GLU's backward keeps anyway (one elementwise pass
-instead of [M, I] more memory per layer). t goes through HBM once each way: it is Σr columns wide, and keeping it
+instead of [M, I] more memory per layer). t' goes through HBM once each way: it is Σr columns wide, and keeping it
 (rather than recomputing x Aᵀ) saves a read of x in backward. Every step is a cuBLAS GEMM whose epilogue does the
 adds; no elementwise kernel is left to fuse, so there is no Triton kernel here (a Triton GEMM would have to beat
-cuBLAS on the base-sized products). The base GEMM stays the base layer's own call, so quantised bases work alike.
-A q/k/v group takes 9 launches forward and 14 backward (1 + 5 per projection for o and down); the step is
-host-bound at 4096 tokens, so launches count (benchmarks/NOTES.md).
+cuBLAS on the base-sized products). The base GEMM stays the base layer's own call, so quantised bases work alike
+(the patched model groups bitsandbytes 4-bit bases of one input: ``patching/quantized.py``).
+A q/k/v group takes 9 launches forward and 10 backward, gate/up 7 and 8, o and down 4 and 5 each: 52 per layer (91
+before the adapters were cast once per call and the A gradients batched). The step is host-bound at 4096 tokens,
+so launches count (benchmarks/NOTES.md).
 
 Both paths give ``out`` in base_out's dtype. The reference is PEFT's own arithmetic (fp32 branch when A is fp32).
 """
@@ -73,35 +76,46 @@ def _projections(args: tuple) -> list[tuple[Tensor, Tensor, Tensor]]:
     return [tuple(args[i:i + 3]) for i in range(0, 3 * MAX_SHARED, 3) if args[i] is not None]
 
 
+def _scale_rows(matrix: Tensor, ranks: Sequence[int], scalings: Sequence[float]) -> Tensor:
+    """``matrix`` [Σr, ...] with its row block i (r_i rows) multiplied by scalings[i], in place."""
+    if len(set(scalings)) == 1:
+        return matrix.mul_(scalings[0]) if scalings[0] != 1 else matrix
+    for block, scaling in zip(matrix.split(list(ranks)), scalings):
+        block.mul_(scaling)
+    return matrix
+
+
 def _half_adapters(projections: list[tuple[Tensor, Tensor, Tensor]], scalings: Sequence[float],
                    dtype: torch.dtype) -> list[Tensor]:
-    """[A_cat, s_1 B_1, s_2 B_2, ...] in ``dtype``: the group's A matrices stacked [Σr, K] and each B [N_i, r_i]
-    times its scaling, one small kernel each (the step's only casts of the adapters: backward reuses them). Always
-    new tensors, never an alias of an input."""
+    """[A'_cat, B_1, B_2, ...] in ``dtype``: the group's A matrices times their scalings, stacked [Σr, K], and each B
+    [N_i, r_i], one small kernel each (the step's only casts of the adapters: backward reuses them). Always new
+    tensors, never an alias of an input."""
     lora_as = [a for _, a, _ in projections]
-    a_cat = torch.cat(lora_as).to(dtype) if len(lora_as) > 1 else lora_as[0].to(dtype, copy=True)
-    scaled = [torch.mul(b, scaling, out=b.new_empty(b.shape, dtype=dtype))
-              for (_, _, b), scaling in zip(projections, scalings)]
-    return [a_cat, *scaled]
+    a_cat = torch.cat(lora_as) if len(lora_as) > 1 else lora_as[0]
+    if len(set(scalings)) == 1:
+        a_cat = torch.mul(a_cat, scalings[0], out=a_cat.new_empty(a_cat.shape, dtype=dtype))
+    else:
+        a_cat = _scale_rows(a_cat.to(dtype, copy=True), [a.shape[0] for a in lora_as], scalings)
+    return [a_cat, *(b.to(dtype, copy=True) for _, _, b in projections)]
 
 
 def _lora_add_impl(x: Tensor, base0: Tensor, a0: Tensor, b0: Tensor, base1: Tensor | None, a1: Tensor | None,
                    b1: Tensor | None, base2: Tensor | None, a2: Tensor | None, b2: Tensor | None,
                    gate: Tensor | None, up: Tensor | None, scalings: list[float], activation: str) -> list[Tensor]:
-    """[out_0, ..., out_{n-1}, t, A_cat, s_0 B_0, ...]: t = x Aᵀ [M, Σr] and the adapters in x's dtype
+    """[out_0, ..., out_{n-1}, t', A'_cat, B_0, ...]: t' = x A'_catᵀ [M, Σr] and the adapters in x's dtype
     (:func:`_half_adapters`), returned for backward (not differentiable). ``gate`` given: x is
     ``GATED[activation](gate, up)``, which backward recomputes instead of keeping x."""
     projections = _projections((base0, a0, b0, base1, a1, b1, base2, a2, b2))
     with torch.autocast(x.device.type, enabled=False):
         rows = as_rows(x)
-        a_cat, *scaled_bs = _half_adapters(projections, scalings, x.dtype)
+        a_cat, *half_bs = _half_adapters(projections, scalings, x.dtype)
         t = rows @ a_cat.t()
         outs, start = [], 0
-        for (base, _, _), scaled_b in zip(projections, scaled_bs):
-            rank = scaled_b.shape[1]
-            outs.append(torch.addmm(as_rows(base), t[:, start:start + rank], scaled_b.t()).view(base.shape))
+        for (base, _, _), half_b in zip(projections, half_bs):
+            rank = half_b.shape[1]
+            outs.append(torch.addmm(as_rows(base), t[:, start:start + rank], half_b.t()).view(base.shape))
             start += rank
-    return [*outs, t, a_cat, *scaled_bs]
+    return [*outs, t, a_cat, *half_bs]
 
 
 def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, scalings, activation):
@@ -115,7 +129,7 @@ def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, sca
 def _setup_lora_add(ctx, inputs, output):
     x, *flat, gate, up, scalings, activation = inputs
     projections = _projections(tuple(flat))
-    internals = output[len(projections):]  # t, A_cat and the scaled Bs
+    internals = output[len(projections):]  # t', A'_cat and the Bs
     ctx.mark_non_differentiable(*internals)
     ctx.set_materialize_grads(False)  # an output nobody used (t, or a projection) gets None, not zeros
     # x, or the GLU's inputs it is made from (which the GLU's own backward keeps anyway)
@@ -126,33 +140,36 @@ def _setup_lora_add(ctx, inputs, output):
 
 
 def _backward_lora_add(ctx, grads):
-    """With w_i = dy_i (s_i B_i) = s_i u_i:  dA_i = w_iᵀ x,  dB_i = s_i dy_iᵀ t_i,  dx = [w_1 | w_2 | ...] A_cat."""
-    x, up, t, a_cat, *scaled_bs = ctx.saved_tensors
+    """With u_i = dy_i B_i:  dx = [u_1 | u_2 | ...] A'_cat,  [dA_1; dA_2; ...] = s ⊙ [u_1 | ...]ᵀ x (one GEMM),
+    dB_i = dy_iᵀ t'_i."""
+    x, up, t, a_cat, *half_bs = ctx.saved_tensors
     needs, scalings = ctx.needs_input_grad, ctx.scalings
     if ctx.recompute:  # x saved as the GLU's inputs (gate, up): x again, as the forward's GLU made it
         with torch.no_grad():
             x = GATED[ctx.activation](x, up)
     rows = as_rows(x)
+    ranks = [b.shape[1] for b in half_bs]
     result = [None] * (1 + 3 * MAX_SHARED + 4)
-    ws, start = [], 0
+    us, start = [], 0
     with torch.autocast(x.device.type, enabled=False):
-        for i, (dy, scaled_b, dtype) in enumerate(zip(grads, scaled_bs, ctx.adapter_dtypes)):
-            rank = scaled_b.shape[1]
+        for i, (dy, half_b, rank) in enumerate(zip(grads, half_bs, ranks)):
             result[1 + 3 * i] = dy if needs[1 + 3 * i] else None  # the base output's gradient passes through
             if dy is None:  # an output nobody used: its adapters get no gradient, x none from it
-                ws.append(rows.new_zeros((rows.shape[0], rank)))
+                us.append(rows.new_zeros((rows.shape[0], rank)))
             else:
                 dy = as_rows(dy)
-                ws.append(dy @ scaled_b)
-                if needs[2 + 3 * i]:
-                    result[2 + 3 * i] = _mm_fp32(ws[-1].t(), rows).to(dtype)
+                us.append(dy @ half_b)
                 if needs[3 + 3 * i]:
-                    grad_b = _mm_fp32(dy.t(), t[:, start:start + rank])
-                    result[3 + 3 * i] = (grad_b.mul_(scalings[i]) if scalings[i] != 1 else grad_b).to(dtype)
+                    result[3 + 3 * i] = _mm_fp32(dy.t(), t[:, start:start + rank]).to(ctx.adapter_dtypes[i])
             start += rank
+        u = torch.cat(us, dim=1) if len(us) > 1 else us[0]
+        wanted = [needs[2 + 3 * i] and grads[i] is not None for i in range(len(us))]
+        if any(wanted):  # every A's gradient in one GEMM; unused outputs' rows are zeros, not returned
+            grad_a = _scale_rows(_mm_fp32(u.t(), rows), ranks, scalings).split(ranks)
+            for i, grad in enumerate(grad_a):
+                result[2 + 3 * i] = grad.to(ctx.adapter_dtypes[i]) if wanted[i] else None
         if needs[0]:
-            w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]
-            result[0] = (w @ a_cat).view(x.shape)
+            result[0] = (u @ a_cat).view(x.shape)
     return tuple(result)
 
 

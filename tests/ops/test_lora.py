@@ -130,6 +130,30 @@ def test_fused_path_keeps_no_fp32_copy_of_x(device):
                            *[((40, 4), "torch.bfloat16")] * 2])
 
 
+def test_a_qkv_group_runs_4_gemms_forward_and_8_backward(device):
+    """One GEMM for x Aᵀ and one addmm per projection forward; backward one GEMM per projection for dy B and for dB,
+    and one for the whole group for each of dx and the A gradients (which is what keeps launches few)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    x, base_outs, lora_as, lora_bs, scalings = _inputs((6,), 16, [(16, 2), (8, 2), (8, 2)], torch.bfloat16,
+                                                       torch.float32, device)
+    with fuselm.use_backend("triton"), CountGemms() as forward:
+        outs = fuselm.lora_add_shared(x, base_outs, lora_as, lora_bs, [2.0] * 3)
+    with CountGemms() as backward:
+        torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
+    assert (forward.count, backward.count) == (4, 8)
+    assert all(t.grad is not None for t in (x, *lora_as, *lora_bs))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_down_projection_recomputes_its_input_from_the_glu(path, device, packed, activation):
