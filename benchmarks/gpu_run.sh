@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark and its LoRA/QLoRA
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
-# (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile and (FUSELM_DECODE=1) the
-# decode benchmark; prints a short table last.
+# (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
+# LoRA/QLoRA steps' host view and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -34,6 +34,12 @@ if [ "${FUSELM_TRAIN:-0}" = 1 ]; then
 fi
 if [ "${FUSELM_LORA:-0}" = 1 ]; then  # one LoRA step profiled by kind of kernel: unpatched, before, after
   python3 benchmarks/lora_profile.py --out "$out/lora-profile-h200.json" 2>&1 | tee "$out/lora-profile.log"
+fi
+if [ "${FUSELM_HOST:-0}" = 1 ]; then  # the patched LoRA and QLoRA steps' host view, each alone in its process
+  for kind in lora qlora; do
+    python3 benchmarks/lora_profile.py --host --variants fuselm.patch $([ $kind = qlora ] && echo --qlora) \
+      --out "$out/$kind-host-h200.json" 2>&1 | grep -v Warning | tee "$out/$kind-host.log"
+  done
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"
