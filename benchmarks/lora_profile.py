@@ -101,7 +101,8 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
 def issue_ms(step, cuda: bool) -> float:
     """The median wall time of 3 calls of ``step`` from a synchronised start until it returns (before the
     synchronize): the host's time for a step, near the step's own time when the host, not the GPU, sets the pace.
-    Measured before any profiler runs in the process (a profiled run leaves later launches slower)."""
+    Measured before any profiler runs in the process: taken after a profiled step (session 5's run), it came out
+    above the step's own median, so a profiler leaves something behind that this figure must not include."""
     issue = []
     for _ in range(3):
         if cuda:

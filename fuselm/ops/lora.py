@@ -95,7 +95,7 @@ def _half_adapters(projections: list[tuple[Tensor, Tensor, Tensor]], scalings: S
     if len(set(scalings)) == 1:
         a_cat = torch.mul(a_cat, scalings[0], out=a_cat.new_empty(a_cat.shape, dtype=dtype))
     else:
-        a_cat = _scale_rows(a_cat.to(dtype, copy=True), [a.shape[0] for a in lora_as], scalings)
+        a_cat = _scale_rows(a_cat.to(dtype, copy=len(lora_as) == 1), [a.shape[0] for a in lora_as], scalings)
     return [a_cat, *(b.to(dtype, copy=True) for _, _, b in projections)]
 
 

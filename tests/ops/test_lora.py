@@ -117,8 +117,8 @@ def test_nan_propagates(path, device):
 
 
 def test_fused_path_keeps_no_fp32_copy_of_x(device):
-    """What backward keeps: x itself, t = x Aᵀ [M, Σr] and the adapters cast to x's dtype (A stacked, B scaled):
-    nothing in fp32."""
+    """What backward keeps: x itself, t' = x A'ᵀ [M, Σr] and the adapters cast to x's dtype (A scaled and stacked,
+    each B): nothing in fp32."""
     x, base_outs, lora_as, lora_bs, scalings = _inputs((64,), 48, [(40, 4), (40, 4)], torch.bfloat16,
                                                        torch.float32, device)
     saved = []
