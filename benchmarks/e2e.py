@@ -229,6 +229,8 @@ def train_section(args, rows: list, save) -> None:
     began = time.perf_counter()
     for what, impls in TRAIN_IMPLS.items():
         for impl in impls:
+            if args.train_impls and f"{what}:{impl}" not in args.train_impls:
+                continue
             missing = [name for name in (NEEDS.get(what), NEEDS.get(impl)) if name and not find_spec(name)]
             if missing:  # no subprocess started only to fail its import
                 rows.append({"what": what, "impl": impl, "skipped": f"{missing[0]} is not installed"})
@@ -315,6 +317,9 @@ def main() -> None:
     parser.add_argument("--qlora-tokens", type=int, nargs="+", help="QLoRA rows (default 4096; smoke 64)")
     parser.add_argument("--checkpointing-tokens", type=int, nargs="+",
                         help="LoRA and QLoRA rows with gradient checkpointing (default 4096; smoke 64)")
+    parser.add_argument("--train-impls", nargs="+", metavar="WHAT:IMPL",
+                        help="only these training impls, e.g. lora_step:fuselm qlora_step:fuselm (default all; with "
+                             "--merge-into the others' rows stay)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
     parser.add_argument("--cold-triton-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="run with an empty Triton cache (a fresh TRITON_CACHE_DIR), so first_call_s includes "
@@ -329,6 +334,9 @@ def main() -> None:
                         help="print where each first call's time goes (cProfile, top functions by cumulative time)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     args = parser.parse_args()
+    known = [f"{what}:{impl}" for what, impls in TRAIN_IMPLS.items() for impl in impls]
+    if unknown := sorted(set(args.train_impls or ()) - set(known)):
+        parser.error(f"--train-impls: unknown {', '.join(unknown)} (known: {' '.join(known)})")
     for name, full, smoke in (("train_tokens", [4096, 8192], [64, 128]), ("qlora_tokens", [4096], [64]),
                               ("checkpointing_tokens", [4096], [64]), ("train_steps", 5, 2)):
         if getattr(args, name) is None:

@@ -341,7 +341,7 @@ def _fused_adapters(layers: list[nn.Module], x: Tensor) -> list[tuple[Tensor, Te
 
 
 def _base_outputs(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
-    """The LoRA layers' base layers' outputs for x: bitsandbytes 4-bit bases as one dequantised weight and one GEMM
+    """The LoRA layers' base layers' outputs for x: bitsandbytes 4-bit bases of one input in one autograd node
     (``quantized.py``) where bitsandbytes' own call would compute the same, else each base layer's own call."""
     bases = [layer.base_layer for layer in layers]
     if all(takes_nf4_group(base, x) and not hooked(base) for base in bases):

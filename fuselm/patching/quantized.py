@@ -1,15 +1,20 @@
-"""bitsandbytes 4-bit base projections of one input (q/k/v, gate/up, or one alone) as one dequantised weight and one
-GEMM, for the fused LoRA path of a QLoRA model.
+"""bitsandbytes 4-bit base projections of one input (q/k/v, gate/up, or one alone) in one autograd node, for the
+fused LoRA path of a QLoRA model.
 
 Per projection and step, bitsandbytes' own ``Linear4bit`` forward goes through its module checks, ``matmul_4bit`` and
 an autograd Function, dequantises the weight and runs a GEMM, and its backward dequantises again for another. The
 GPU work is small next to a step's GEMMs, but a QLoRA step at 4096 tokens is host-bound (benchmarks/NOTES.md), and
-that Python runs 7 times per layer each way. Here a group's weights are dequantised, by bitsandbytes' own
-``dequantize_4bit``, into one [ΣN, K] buffer in the compute dtype and multiplied in one GEMM; backward dequantises
-them again (as bitsandbytes does: the 4-bit weights stay the only copy kept) for one GEMM per projection. The
-outputs are column slices of the one [M, ΣN] product. Arithmetic is bitsandbytes': the same dequantised bf16 weight
-and a cuBLAS GEMM with fp32 accumulation. No Triton kernel and no ``fuselm::`` op: the arguments are bitsandbytes
-modules, and every piece of work is bitsandbytes' or cuBLAS's.
+that Python runs 7 times per layer each way. Here one Function serves a group: forward dequantises each weight, by
+bitsandbytes' own dequantisation kernel, to the compute dtype and runs one GEMM per projection; backward dequantises
+them again (as bitsandbytes does: the 4-bit weights stay the only copy kept) and accumulates dx in place, one GEMM
+per projection. Arithmetic is bitsandbytes': the same dequantised bf16 weight and a cuBLAS GEMM with fp32
+accumulation. The double-quantised block scales are dequantised once per weight and kept (fp32, one per 64 weights:
+0.44 GB for Llama-3-8B's layers), where bitsandbytes redoes them on every call. No Triton kernel and no ``fuselm::``
+op: the arguments are bitsandbytes modules, and every piece of work is bitsandbytes' or cuBLAS's.
+
+The weights are not dequantised into one stacked buffer for a single GEMM: bitsandbytes 0.49's ``out=`` variant on
+CUDA rejects every ``out`` (its shape check compares a ``torch.Size`` with a list), and stacking by a copy costs more
+HBM traffic than the two or three GEMMs it would merge.
 
 Taken only where bitsandbytes' forward would do exactly this: a ``Linear4bit`` with its quantisation state, no bias,
 no hook, compute dtype x's, and more than one row or a gradient wanted (bitsandbytes' single-row inference runs
@@ -20,51 +25,58 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fuselm.ops._common import as_rows
 
-
-def _dequantize(layer: nn.Module, out: Tensor) -> None:
-    """``layer``'s 4-bit weight [N, K] into ``out`` (bitsandbytes' own dequantisation; its CPU backend has no
-    ``out=`` variant, so there the weight is dequantised, then copied)."""
-    from bitsandbytes.functional import dequantize_4bit
-
-    if out.is_cuda:
-        dequantize_4bit(layer.weight, layer.weight.quant_state, out=out)
-    else:
-        out.copy_(dequantize_4bit(layer.weight, layer.weight.quant_state))
+_NESTED_ABSMAX = WeakIdKeyDictionary()  # weight -> (its absmax, version, fp32)
 
 
-def _dequantized(layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[int]]:
-    """The layers' weights stacked [ΣN, K] in ``dtype``, and each layer's N."""
-    widths = [layer.out_features for layer in layers]
-    weight = torch.empty((sum(widths), layers[0].in_features), dtype=dtype, device=device)
-    for layer, rows in zip(layers, weight.split(widths)):
-        _dequantize(layer, rows)
-    return weight, widths
+def _absmax(weight: Tensor) -> Tensor:
+    """The fp32 block scales [N·K / blocksize] of a 4-bit weight. Under double quantisation they are themselves
+    8-bit; bitsandbytes dequantises them on every call (two more launches and their Python), while the base is frozen,
+    so here they are dequantised once, the same way, and kept until the weight or its quantised scales change."""
+    from bitsandbytes.functional import dequantize_blockwise
+
+    state = weight.quant_state
+    if not state.nested:
+        return state.absmax
+    source, version, absmax = _NESTED_ABSMAX.get(weight, (None, None, None))
+    if source is not state.absmax or version != state.absmax._version:
+        absmax = (dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+        _NESTED_ABSMAX[weight] = (state.absmax, state.absmax._version, absmax)
+    return absmax
+
+
+def _dequantized(layer: nn.Module) -> Tensor:
+    """``layer``'s 4-bit weight as [N, K] in its compute dtype: bitsandbytes' own dequantisation kernel (what its
+    ``dequantize_4bit`` runs), given the scales of :func:`_absmax`."""
+    weight = layer.weight
+    state = weight.quant_state
+    out = torch.ops.bitsandbytes.dequantize_4bit.default(weight, _absmax(weight), state.blocksize, state.quant_type,
+                                                         state.shape, state.dtype)
+    return out.t() if weight.shape[0] == 1 else out  # bitsandbytes' packed-transposed layout
 
 
 class _Nf4Group(torch.autograd.Function):
-    """x [..., K] -> per layer x W_iᵀ [..., N_i]: one GEMM forward, one per projection backward (dx only)."""
+    """x [..., K] -> per layer x W_iᵀ [..., N_i]: one GEMM per projection each way (dx only; the base is frozen)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, *layers: nn.Module):
         rows = as_rows(x)
-        weight, widths = _dequantized(list(layers), x.dtype, x.device)
-        out = rows @ weight.t()
-        ctx.layers, ctx.x_shape, ctx.dtype, ctx.device = layers, x.shape, x.dtype, x.device
-        return tuple(part.view(*x.shape[:-1], width) for part, width in zip(out.split(widths, dim=1), widths))
+        ctx.layers, ctx.x_shape = layers, x.shape
+        return tuple((rows @ _dequantized(layer).t()).view(*x.shape[:-1], layer.out_features) for layer in layers)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
         nothing = (None,) * len(ctx.layers)
         if not ctx.needs_input_grad[0] or all(dy is None for dy in grads):
             return None, *nothing
-        weight, widths = _dequantized(list(ctx.layers), ctx.dtype, ctx.device)
         dx = None
-        for dy, part in zip(grads, weight.split(widths)):
+        for dy, layer in zip(grads, ctx.layers):
             if dy is not None:
-                dx = as_rows(dy) @ part if dx is None else dx.addmm_(as_rows(dy), part)
+                weight = _dequantized(layer)
+                dx = as_rows(dy) @ weight if dx is None else dx.addmm_(as_rows(dy), weight)
         return dx.view(ctx.x_shape), *nothing
 
 
@@ -81,6 +93,6 @@ def takes_nf4_group(layer: nn.Module, x: Tensor) -> bool:
 
 
 def nf4_group_outputs(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
-    """``[layer(x) for layer in layers]`` for bitsandbytes 4-bit layers that :func:`takes_nf4_group` accepts:
-    one dequantised [ΣN, K] weight and one GEMM."""
+    """``[layer(x) for layer in layers]`` for bitsandbytes 4-bit layers that :func:`takes_nf4_group` accepts, in one
+    autograd node."""
     return list(_Nf4Group.apply(x, *layers))

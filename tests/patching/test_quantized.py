@@ -1,6 +1,7 @@
-"""bitsandbytes 4-bit base projections of one input as one dequantised weight and one GEMM (``patching/quantized.py``):
-the same outputs and input gradient as each layer's own call, against a float64 product of the dequantised weights;
-calls it must leave to bitsandbytes. On CPU through bitsandbytes' CPU backend; skipped without bitsandbytes."""
+"""bitsandbytes 4-bit base projections of one input in one autograd node (``patching/quantized.py``): the same
+outputs and input gradient as each layer's own call, against a float64 product of the dequantised weights; calls it
+must leave to bitsandbytes. On CPU through bitsandbytes' CPU backend, and on the GPU through its CUDA kernels
+(``-m gpu``); skipped without bitsandbytes."""
 
 import pytest
 import torch
@@ -59,6 +60,28 @@ def test_an_unused_output_and_no_gradient_wanted():
     assert not any(out.requires_grad for out in outs)
 
 
+def test_kept_block_scales_follow_a_requantised_weight():
+    """The dequantised weight equals bitsandbytes' own, before and after the layer's weight is quantised afresh
+    (new scales) and after its quantised scales change in place: the kept fp32 scales never go stale."""
+    layer = _nf4_linear(128, 64, seed=3)
+    assert torch.equal(quantized._dequantized(layer), bnb.functional.dequantize_4bit(layer.weight,
+                                                                                      layer.weight.quant_state))
+    layer.weight = bnb.nn.Params4bit((0.05 * torch.randn(64, 128)).to(torch.bfloat16), requires_grad=False,
+                                     compress_statistics=True, quant_type="nf4").to(DEVICE)
+    state = layer.weight.quant_state
+    assert torch.equal(quantized._dequantized(layer), bnb.functional.dequantize_4bit(layer.weight, state))
+    state.absmax[0] = (int(state.absmax[0]) + 7) % 256  # an 8-bit code of the first scale, changed in place
+    assert torch.equal(quantized._dequantized(layer), bnb.functional.dequantize_4bit(layer.weight, state))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu():
+    """The two tests above through bitsandbytes' CUDA kernels, which its CPU backend does not share."""
+    test_outputs_and_input_gradient_match_each_layers_call((128, 64, 64))
+    test_an_unused_output_and_no_gradient_wanted()
+    test_kept_block_scales_follow_a_requantised_weight()
+
+
 @pytest.mark.parametrize("case", ["bias", "fp32 weights", "one row, no gradient", "fp32 input"])
 def test_calls_left_to_bitsandbytes(case):
     layer = _nf4_linear(64, 64, bias=case == "bias", dtype=torch.float32 if case == "fp32 weights" else torch.bfloat16)
@@ -68,7 +91,7 @@ def test_calls_left_to_bitsandbytes(case):
     assert not quantized.takes_nf4_group(torch.nn.Linear(64, 64, device=DEVICE), x)
 
 
-def test_patched_qlora_step_takes_one_gemm_per_group(tmp_path, monkeypatch):
+def test_patched_qlora_step_takes_one_node_per_group(tmp_path, monkeypatch):
     """Through the fused LoRA path (Triton's interpreter on CPU), every layer's 4 projection groups take the grouped
     4-bit path, and the first step's adapter gradients match the same patched model with bitsandbytes' own calls."""
     groups = []
