@@ -4,6 +4,7 @@ them (its entry point run in this process), and the skipped rows the parent writ
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +25,7 @@ def e2e(monkeypatch):
 
 
 SMOKE = SimpleNamespace(layers=1, smoke=True, train_tokens=[12, 16], qlora_tokens=[16], checkpointing_tokens=[8],
-                        train_steps=1)
+                        train_steps=1, train_impls=None)
 
 
 def printed_rows(e2e, out: str) -> list[dict]:
@@ -84,6 +85,24 @@ def test_the_parent_saves_each_row_and_skips_what_cannot_import(e2e, monkeypatch
                                  ("qlora_step", "fuselm", "skipped")]
     assert saves == list(range(1, len(rows) + 1))
     assert "building" in capsys.readouterr().out
+
+
+def test_train_impls_runs_only_the_named_impls(e2e, monkeypatch):
+    commands = []
+    monkeypatch.setattr(e2e, "find_spec", lambda name: object())
+    monkeypatch.setattr(e2e.subprocess, "Popen", lambda command, **options: commands.append(command) or
+                        FakeChild(e2e, command, exit_code=0))
+    args = SimpleNamespace(**{**vars(SMOKE), "train_impls": ["qlora_step:fuselm", "lora_step:liger"]})
+    e2e.train_section(args, [], lambda: None)
+    assert [command[command.index("--one-train-impl") + 1] for command in commands] == ["lora_step:liger",
+                                                                                           "qlora_step:fuselm"]
+
+
+def test_an_unknown_train_impl_is_refused_by_name(e2e, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--train-impls", "lora_step:fuselm", "lora_step:nope"])
+    with pytest.raises(SystemExit):
+        e2e.main()
+    assert "--train-impls: unknown lora_step:nope" in capsys.readouterr().err
 
 
 def test_merge_keeps_the_earlier_rows_not_measured_again(e2e):
