@@ -62,6 +62,7 @@ from transformers.models.llama.modeling_llama import (
 
 import fuselm
 from fuselm.generation import FusedKVCache
+from fuselm.ops._common import autotune_picks
 
 WHATS = ("layer_step", "attention", "projection", "prefill_layer")
 LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
@@ -399,6 +400,7 @@ def main() -> None:
         "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA, "prefill_layer": PREFILL_FORMULA,
                      "attention": decode_attention_bench.FORMULA, "projection": decode_linear_bench.FORMULA},
         "rows": rows,
+        "autotune_picks": autotune_picks(),
     }
     out = args.out or (None if args.smoke else "benchmarks/results/decode-h200.json")
     if out:

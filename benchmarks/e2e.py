@@ -51,6 +51,7 @@ from training import build as build_base
 import fuselm
 from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
+from fuselm.ops._common import autotune_picks
 
 
 def build(layers: int, smoke: bool):
@@ -367,8 +368,11 @@ def main() -> None:
                            "after 2 untimed ones; each impl in its own process",
             "rows": [{**row, "run_date": run_date} for row in rows],
         }
+        if args.generate:  # the generation rows ran in this process (the training rows each in their own)
+            results["autotune_picks"] = autotune_picks()
         if earlier is not None:
-            keys = ([] if args.generate else ["copy_gbps", "model"]) + ([] if args.train else ["train_model"])
+            keys = (([] if args.generate else ["copy_gbps", "model", "autotune_picks"])
+                    + ([] if args.train else ["train_model"]))
             results |= {key: earlier[key] for key in keys if key in earlier}
             results |= {"rows": merged_rows(earlier, results["rows"]),
                         "merged_into": f"{args.merge_into} of {earlier.get('date')}"}

@@ -267,13 +267,22 @@ def compiling_in_parallel(tuner):
     return tuner
 
 
+_TUNERS: list = []  # every GPU autotuner :func:`autotune` made, for :func:`autotune_picks`
+
+
 def autotune(configs: list[triton.Config], key: list[str], **options):
     """``triton.autotune`` on a GPU (compiling a new key's configs in parallel: :func:`compiling_in_parallel`); under
     the interpreter, which cannot time, one config: the first, or the one :func:`forced_config` forces. Either way
     ``kernel.configs`` lists them all."""
     if not INTERPRETING:
         tune = triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
-        return lambda fn: compiling_in_parallel(tune(fn))
+
+        def tuned(fn):
+            tuner = compiling_in_parallel(tune(fn))
+            _TUNERS.append(tuner)
+            return tuner
+
+        return tuned
 
     def pin(fn):
         # each launch reads the pinned config's values, so the grid and best_config always agree
@@ -284,6 +293,24 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
         return kernel
 
     return pin
+
+
+def autotune_picks(tuners: list | None = None) -> list[dict]:
+    """What the autotuners chose so far in this process, one entry per tuned key: ``{"kernel", "key", "config",
+    "of"}`` with the key's values and the chosen config's meta-parameters, warps and stages as strings and numbers
+    (JSON), and how many configs it was chosen from. For benchmarks' results: which configs a first call could skip.
+    ``tuners`` defaults to every GPU autotuner of :func:`autotune` (none under the interpreter, which does not tune).
+    """
+    picks = []
+    for tuner in _TUNERS if tuners is None else tuners:
+        name = getattr(tuner.fn, "__name__", repr(tuner.fn))
+        for key, config in tuner.cache.items():
+            picks.append({"kernel": name, "key": [value if isinstance(value, (int, float, bool)) else str(value)
+                                                  for value in key],
+                          "config": {**config.kwargs, "num_warps": config.num_warps,
+                                     "num_stages": config.num_stages},
+                          "of": len(tuner.configs)})
+    return picks
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Shared op machinery: the direct eager path computes what the torch.library op computes; loops
 over runtime bounds run under the interpreter with any numpy."""
 
+import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,3 +109,32 @@ def test_a_new_autotuning_key_compiles_its_pruned_configs_in_parallel_first(monk
     monkeypatch.setattr(_common, "parallel_compile", True)
     single = _common.compiling_in_parallel(_FakeTuner(configs[:2]))
     assert single.prune_configs(launch) == configs[1:2] and single.compiled == []
+
+
+def test_autotune_picks_lists_each_tuned_key_as_json():
+    """One entry per key an autotuner has tuned, its key's values (dtypes as strings) and the chosen config's
+    meta-parameters, warps and stages; nothing for an autotuner that has tuned nothing."""
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}, num_warps=4, num_stages=3) for n in (16, 32)]
+
+    def tuner(name, cache):
+        return SimpleNamespace(fn=SimpleNamespace(__name__=name), cache=cache, configs=configs)
+
+    picks = _common.autotune_picks([tuner("_linear_kernel", {(1, 4096, torch.bfloat16): configs[1],
+                                                              (32, 4096, torch.bfloat16): configs[0]}),
+                                    tuner("_untuned_kernel", {})])
+    assert picks == [
+        {"kernel": "_linear_kernel", "key": [1, 4096, "torch.bfloat16"],
+         "config": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2},
+        {"kernel": "_linear_kernel", "key": [32, 4096, "torch.bfloat16"],
+         "config": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2}]
+    assert json.loads(json.dumps(picks)) == picks
+
+
+@pytest.mark.gpu
+def test_autotune_picks_records_a_gpu_kernels_tuned_key():
+    """On a GPU, a fused op's call tunes its kernel (here or in an earlier test), and the pick is listed."""
+    x = torch.randn(3, 1000, device="cuda")
+    fuselm.rms_norm(x, torch.randn(x.shape[1], device="cuda"))
+    picks = _common.autotune_picks()
+    assert any("rms_norm" in pick["kernel"] for pick in picks), sorted({pick["kernel"] for pick in picks})
+    assert all(set(pick) == {"kernel", "key", "config", "of"} and pick["of"] >= 1 for pick in picks)
