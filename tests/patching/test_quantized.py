@@ -15,12 +15,13 @@ from tests.patching.test_qlora import fine_tune, qlora_model
 bnb = pytest.importorskip("bitsandbytes")
 
 
-def _nf4_linear(k: int, n: int, *, bias: bool = False, dtype=torch.bfloat16, seed: int = 0):
+def _nf4_linear(k: int, n: int, *, bias: bool = False, dtype=torch.bfloat16, seed: int = 0, nested: bool = True,
+                quant_type: str = "nf4"):
     torch.manual_seed(seed)
-    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=torch.bfloat16, compress_statistics=True,
-                              quant_type="nf4")
+    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=torch.bfloat16, compress_statistics=nested,
+                              quant_type=quant_type)
     layer.weight = bnb.nn.Params4bit((0.05 * torch.randn(n, k)).to(dtype), requires_grad=False,
-                                     compress_statistics=True, quant_type="nf4")
+                                     compress_statistics=nested, quant_type=quant_type)
     return layer.to(DEVICE)
 
 
@@ -28,9 +29,11 @@ def _dequantized64(layer):
     return bnb.functional.dequantize_4bit(layer.weight, layer.weight.quant_state).double()
 
 
+@pytest.mark.parametrize("quantisation", [dict(), dict(nested=False), dict(quant_type="fp4")],
+                         ids=["nf4 double-quantised", "nf4 fp32 scales", "fp4"])
 @pytest.mark.parametrize("widths", [(128,), (128, 64, 64), (192, 64)])
-def test_outputs_and_input_gradient_match_each_layers_call(widths):
-    layers = [_nf4_linear(128, n, seed=i) for i, n in enumerate(widths)]
+def test_outputs_and_input_gradient_match_each_layers_call(widths, quantisation):
+    layers = [_nf4_linear(128, n, seed=i, **quantisation) for i, n in enumerate(widths)]
     x = torch.randn(5, 3, 128, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1).requires_grad_()  # not dense
     assert all(quantized.takes_nf4_group(layer, x) for layer in layers)
     outs = quantized.nf4_group_outputs(layers, x)
@@ -77,7 +80,8 @@ def test_kept_block_scales_follow_a_requantised_weight():
 @pytest.mark.gpu
 def test_on_the_gpu():
     """The two tests above through bitsandbytes' CUDA kernels, which its CPU backend does not share."""
-    test_outputs_and_input_gradient_match_each_layers_call((128, 64, 64))
+    for quantisation in (dict(), dict(nested=False), dict(quant_type="fp4")):
+        test_outputs_and_input_gradient_match_each_layers_call((128, 64, 64), quantisation)
     test_an_unused_output_and_no_gradient_wanted()
     test_kept_block_scales_follow_a_requantised_weight()
 
