@@ -45,7 +45,7 @@ import torch
 import transformers
 import triton
 from timing import copy_gbps, median_ms
-from training import SETUP, adamw_step, lora_model, peak_gib
+from training import SETUP, adamw_step, issue_ms, lora_model, peak_gib
 from training import build as build_base
 
 import fuselm
@@ -157,7 +157,9 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
 
 
 TRAIN_IMPLS = {"lora_step": ("unpatched", "fuselm", "liger"), "qlora_step": ("unpatched", "fuselm")}
-TRAIN_FORMULA = "tok_per_s = tokens / median step s; peak = torch.cuda.max_memory_allocated over one step"
+TRAIN_FORMULA = ("tok_per_s = tokens / median step s; issue_ms = median wall time of 3 steps from a synchronised "
+                 "start until the call returns (the host's time per step: near ms, the host sets the pace); peak = "
+                 "torch.cuda.max_memory_allocated over one step")
 NEEDS = {"qlora_step": "bitsandbytes", "liger": "liger_kernel"}  # the module a row kind or an impl imports
 ROW_MARK = "e2e train row: "  # a child's line carrying one row, as JSON
 
@@ -208,7 +210,8 @@ def train_impl_rows(what: str, impl: str, args) -> None:
         step = adamw_step(model, tokens)
         try:
             ms = median_ms(step, warmup_ms=0, rep_ms=0, min_repeats=args.train_steps, flush_l2=False)
-            row.update(ms=ms, tok_per_s=row["tokens"] / (ms / 1e3), peak_gib=peak_gib(step), formula=TRAIN_FORMULA)
+            row.update(ms=ms, tok_per_s=row["tokens"] / (ms / 1e3), issue_ms=issue_ms(step), peak_gib=peak_gib(step),
+                       formula=TRAIN_FORMULA)
         except torch.OutOfMemoryError as error:
             row["error"] = f"out of memory: {str(error).splitlines()[0]}"
         if report is not None:
@@ -261,7 +264,8 @@ def train_line(row: dict) -> str:
     if "tok_per_s" not in row:
         return f"{head} {row.get('skipped') or row.get('error')}"
     return (f"{head} {row['tokens']:>5} tokens{' checkpointed' if row['checkpointing'] else '':<13} "
-            f"{row['ms']:8.1f} ms {row['tok_per_s']:8.0f} tok/s {row['peak_gib']:6.1f} GiB")
+            f"{row['ms']:8.1f} ms {row['tok_per_s']:8.0f} tok/s {row['peak_gib']:6.1f} GiB"
+            + (f"  issue {row['issue_ms']:.1f} ms" if "issue_ms" in row else ""))
 
 
 def generation(args, rows: list, save, copy: float) -> None:

@@ -24,14 +24,13 @@ import datetime
 import json
 import pstats
 import re
-import time
 
 import peft
 import torch
 import transformers
 from timing import gemm_tflops, median_ms
 from torch import nn
-from training import SETUP, adamw_step, build, lora_model, peak_gib
+from training import SETUP, adamw_step, build, issue_ms, lora_model, peak_gib
 
 import fuselm
 from fuselm.ops import attention, cross_entropy, decode_linear, glu, rms_norm, rope
@@ -98,23 +97,6 @@ def profile_step(step, cuda: bool) -> tuple[dict[str, float], list[dict]]:
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
-def issue_ms(step, cuda: bool) -> float:
-    """The median wall time of 3 calls of ``step`` from a synchronised start until it returns (before the
-    synchronize): the host's time for a step, near the step's own time when the host, not the GPU, sets the pace.
-    Measured before any profiler runs in the process: taken after a profiled step (session 5's run), it came out
-    above the step's own median, so a profiler leaves something behind that this figure must not include."""
-    issue = []
-    for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        step()
-        issue.append((time.perf_counter() - began) * 1e3)
-        if cuda:
-            torch.cuda.synchronize()
-    return sorted(issue)[1]
-
-
 def host_view(step, cuda: bool) -> dict:
     """Where the host's time goes in one call of ``step``: the kernel launches, the top operators by self CPU time
     (torch.profiler; its run takes torch.library's dispatch for fuselm's ops, which plain calls skip) and the top
@@ -159,7 +141,7 @@ def measure(model: nn.Module, variant: str, ids: torch.Tensor, cuda: bool, host:
         report = str(fuselm.patch(model, lora=variant == "fuselm.patch"))
     step = adamw_step(model, ids)
     step_ms = median_ms(step, min_repeats=3)
-    issue = issue_ms(step, cuda) if host else None
+    issue = issue_ms(step) if host else None
     peak = peak_gib(step)
     by_kind, kernels = profile_step(step, cuda)
     print(f"{variant}: {step_ms:.1f} ms/step, {ids.numel() / step_ms * 1e3:.0f} tok/s, peak {peak:.1f} GiB, "

@@ -152,7 +152,8 @@ def _step_cell(row: dict | None) -> str:
         return "—"
     if "tok_per_s" not in row:
         return "error" if "error" in row else "skipped"
-    return f"{row['tok_per_s']:.0f} tok/s, {row['peak_gib']:.1f} GiB"
+    issue = f", issue {row['issue_ms']:.0f} of {row['ms']:.0f} ms" if "issue_ms" in row else ""
+    return f"{row['tok_per_s']:.0f} tok/s, {row['peak_gib']:.1f} GiB{issue}"
 
 
 def _step_target(what: str, tokens: int, fused: dict | None, base: dict | None) -> str:

@@ -8,6 +8,7 @@ Import it from a script in benchmarks/ (``python benchmarks/<script>.py`` puts b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import peft
@@ -83,6 +84,24 @@ def adamw_step(model: nn.Module, ids: torch.Tensor) -> Callable[[], None]:
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def issue_ms(step: Callable[[], object]) -> float:
+    """The median wall time of 3 calls of ``step`` from a synchronised start until it returns (before the
+    synchronize): the host's time for a step, near the step's own time when the host, not the GPU, sets the pace.
+    Take it before any profiler runs in the process: taken after a profiled step (session 5's run), it came out
+    above the step's own median, so a profiler leaves something behind that this figure must not include."""
+    cuda = torch.cuda.is_available()
+    issue = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        step()
+        issue.append((time.perf_counter() - began) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+    return sorted(issue)[1]
 
 
 def peak_gib(fn: Callable[[], object]) -> float:

@@ -39,6 +39,7 @@ def test_one_impl_prints_a_row_per_planned_step(e2e, impl, capsys):
     assert [(row["tokens"], row["checkpointing"]) for row in rows] == [(12, False), (16, False), (8, True)]
     for row in rows:
         assert (row["what"], row["impl"], row["layers"]) == ("lora_step", impl, 1)
+        assert row["issue_ms"] > 0  # the host's time per step
         assert row["ms"] > 0 and row["tok_per_s"] == pytest.approx(row["tokens"] / (row["ms"] / 1e3))
         assert row["peak_gib"] > 0 if HAS_CUDA else math.isnan(row["peak_gib"])
         assert ("patch_report" in row) == (impl == "fuselm")

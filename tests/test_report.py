@@ -97,6 +97,13 @@ def test_train_step_table_per_tokens_and_checkpointing_with_the_targets(report):
     assert "- QLoRA Liger-Kernel: skipped (liger_kernel is not installed)" in lines
 
 
+def test_train_step_cell_shows_the_host_time_where_measured(report):
+    row = {**_step_row("lora_step", "fuselm", 4096, 16000.0, 30.0), "issue_ms": 240.4}  # a 256 ms step
+    results = {**TRAIN, "rows": [row]}
+    (line,) = [line for line in report.train_step_section(results) if line.startswith("| LoRA")]
+    assert "| 16000 tok/s, 30.0 GiB, issue 240 of 256 ms |" in line
+
+
 def test_generation_table_leaves_the_training_rows_out(report):
     generated = [_generate_row("fuselm.generate", 1, 230.0, copy_fraction=0.7, formula="f"),
                  _generate_row("eager", 1, 44.0, copy_fraction=0.1)]
