@@ -12,7 +12,7 @@ from unittest import mock
 import peft
 import pytest
 import torch
-from transformers import LlamaModel, StaticCache
+from transformers import LlamaModel, LogitsProcessor, LogitsProcessorList, StaticCache
 
 import fuselm
 from fuselm.generation import FusedKVCache
@@ -48,23 +48,44 @@ def new_cache(model, mask: torch.Tensor, poisoned: bool = False) -> FusedKVCache
     return cache
 
 
-def generate(model, ids, mask, cache, new=NEW):
+def generate(model, ids, mask, cache, new=NEW, **kwargs):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True, disable_compile=True, **{CACHE_ARG: cache})
+                         output_logits=True, return_dict_in_generate=True, disable_compile=True, **{CACHE_ARG: cache},
+                         **kwargs)
     return out.sequences, out.logits
 
 
-def assert_same_cache(fused: FusedKVCache, hf: FusedKVCache, poisoned: bool) -> None:
-    """Equal lengths; equal states at every valid slot; slots from ``ends`` on never written (still NaN where the
-    fused cache was ``poisoned``). Prefill writes the left padding's slots too, as HF's caches do, but what a padding
-    token holds after layer 0 is undefined (its query sees nothing), so those slots are not compared."""
-    for a, b in zip(fused.lengths(), hf.lengths()):
+def cache_state(cache: FusedKVCache) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Copies of ``cache``'s (starts, ends) and of each layer's buffers, as they are now."""
+    return ([t.clone() for t in cache.lengths()],
+            [[buffer.clone() for buffer in cache.buffers(layer)] for layer in range(len(cache))])
+
+
+class AfterPrefill(LogitsProcessor):
+    """Takes :func:`cache_state` of ``cache`` at generate's first logits, i.e. right after the prefill."""
+
+    def __init__(self, cache: FusedKVCache):
+        self.cache, self.state = cache, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            self.state = cache_state(self.cache)
+        return scores
+
+
+def assert_same_cache(fused: tuple, hf: tuple, poisoned: bool) -> None:
+    """Two :func:`cache_state` s: equal lengths; equal states at every valid slot; slots from ``ends`` on never
+    written (still NaN where the fused cache was ``poisoned``). Prefill writes the left padding's slots too, as HF's
+    caches do, but what a padding token holds after layer 0 is undefined (its query sees nothing), so those slots are
+    not compared."""
+    (fused_lengths, fused_buffers), (hf_lengths, hf_buffers) = fused, hf
+    for a, b in zip(fused_lengths, hf_lengths):
         assert torch.equal(a, b)
-    starts, ends = hf.lengths()
+    starts, ends = hf_lengths
     slots = torch.arange(MAX_LEN, device=starts.device)
     valid = (slots >= starts[:, None]) & (slots < ends[:, None])  # [B, L]
-    for layer in range(len(hf)):
-        for got, expected in zip(fused.buffers(layer), hf.buffers(layer)):
+    for fused_layer, hf_layer in zip(fused_buffers, hf_buffers, strict=True):
+        for got, expected in zip(fused_layer, hf_layer):
             got, expected = got.transpose(1, 2), expected.transpose(1, 2)  # [B, L, Hkv, D]
             assert rel_err(got[valid], expected[valid]) <= 1e-5
             if poisoned:
@@ -75,27 +96,33 @@ def assert_same_cache(fused: FusedKVCache, hf: FusedKVCache, poisoned: bool) -> 
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_decode_steps_match_hf_layers(name, prompt, path):
     """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused step too; one of 20 through HF's
-    attention. Either way each decode step's logits and the cache equal HF's, at one token and at 3."""
+    attention. Either way each step's logits and the cache equal HF's, after the prefill and after 3 decode steps."""
     model = decode_model(name)
     ids, mask = left_padded(prompt)
     poisoned = prompt <= decode.DECODE_MAX_TOKENS  # every forward reads through decode_attention
-    for new in (1, NEW):
-        hf_cache = new_cache(model, mask)
-        with fuselm.use_backend("reference"):
-            hf_tokens, hf_logits = generate(model, ids, mask, hf_cache, new)
-        fuselm.patch(model)
-        try:
-            fused_cache = new_cache(model, mask, poisoned)
-            with mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention:
-                tokens, logits = generate(model, ids, mask, fused_cache, new)
-        finally:
-            fuselm.unpatch(model)
-        layers = model.config.num_hidden_layers
-        assert attention.call_count == layers * (new - (prompt > decode.DECODE_MAX_TOKENS))
-        assert torch.equal(tokens, hf_tokens)
-        for step, (got, expected) in enumerate(zip(logits, hf_logits)):
-            assert rel_err(got, expected) <= 1e-5, f"step {step}"
-        assert_same_cache(fused_cache, hf_cache, poisoned)
+    hf_cache = new_cache(model, mask)
+    hf_prefill = AfterPrefill(hf_cache)
+    with fuselm.use_backend("reference"):
+        hf_tokens, hf_logits = generate(model, ids, mask, hf_cache, logits_processor=LogitsProcessorList([hf_prefill]))
+    fuselm.patch(model)
+    try:
+        fused_cache = new_cache(model, mask, poisoned)
+        fused_prefill = AfterPrefill(fused_cache)
+        with mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention:
+            tokens, logits = generate(model, ids, mask, fused_cache,
+                                      logits_processor=LogitsProcessorList([fused_prefill]))
+    finally:
+        fuselm.unpatch(model)
+    layers = model.config.num_hidden_layers
+    assert attention.call_count == layers * (NEW - (prompt > decode.DECODE_MAX_TOKENS))
+    assert torch.equal(tokens, hf_tokens)
+    assert len(logits) == len(hf_logits) == NEW
+    for step, (got, expected) in enumerate(zip(logits, hf_logits)):
+        assert rel_err(got, expected) <= 1e-5, f"step {step}"
+    (_, prefill_ends), _ = hf_prefill.state
+    assert torch.equal(hf_cache.lengths()[1] - prefill_ends, torch.full_like(prefill_ends, NEW - 1))  # the prefill's
+    assert_same_cache(fused_prefill.state, hf_prefill.state, poisoned)
+    assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])
