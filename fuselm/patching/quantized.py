@@ -41,6 +41,8 @@ def _absmax(weight: Tensor) -> Tensor:
     state = weight.quant_state
     if not state.nested:
         return state.absmax
+    if state.absmax.is_inference():  # quantised under inference_mode: no version counter to tell a change by
+        return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
     source, version, absmax = _NESTED_ABSMAX.get(weight, (None, None, None))
     if source is not state.absmax or version != state.absmax._version:
         absmax = (dequantize_blockwise(state.absmax, state.state2) + state.offset).float()

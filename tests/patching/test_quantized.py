@@ -77,6 +77,17 @@ def test_kept_block_scales_follow_a_requantised_weight():
     assert torch.equal(quantized._dequantized(layer), bnb.functional.dequantize_4bit(layer.weight, state))
 
 
+def test_a_weight_quantised_under_inference_mode():
+    """Its scales are inference tensors, which keep no version counter: dequantised per call, equal to
+    bitsandbytes' own."""
+    with torch.inference_mode():
+        layer = _nf4_linear(128, 64, seed=4)
+    state = layer.weight.quant_state
+    assert state.absmax.is_inference()
+    for _ in range(2):
+        assert torch.equal(quantized._dequantized(layer), bnb.functional.dequantize_4bit(layer.weight, state))
+
+
 @pytest.mark.gpu
 def test_on_the_gpu():
     """The two tests above through bitsandbytes' CUDA kernels, which its CPU backend does not share."""
@@ -84,6 +95,7 @@ def test_on_the_gpu():
         test_outputs_and_input_gradient_match_each_layers_call((128, 64, 64), quantisation)
     test_an_unused_output_and_no_gradient_wanted()
     test_kept_block_scales_follow_a_requantised_weight()
+    test_a_weight_quantised_under_inference_mode()
 
 
 @pytest.mark.parametrize("case", ["bias", "fp32 weights", "one row, no gradient", "fp32 input"])
