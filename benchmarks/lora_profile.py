@@ -165,11 +165,15 @@ def main() -> None:
                                                     "(qlora-profile-h200.json with --qlora; /tmp with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device: checks the script only")
     parser.add_argument("--host", action="store_true", help="also where the host's time goes (see host_view)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="gradient checkpointing (non-reentrant), as e2e.py's checkpointing rows")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     name = "qlora-profile" if args.qlora else "lora-profile"
     out_path = args.out or (f"/tmp/{name}-smoke.json" if args.smoke else f"benchmarks/results/{name}-h200.json")
     model = lora_model(build(args.layers, args.smoke, args.qlora))
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(model.parameters()).device)
     tflops = gemm_tflops() if cuda else float("nan")
@@ -182,7 +186,7 @@ def main() -> None:
         "model": f"Llama-3-8B shape ({args.layers} layers), random weights, "
                  + ("NF4 projections (bitsandbytes), " if args.qlora else "bf16, ")
                  + SETUP,
-        "tokens": args.tokens,
+        "tokens": args.tokens, "gradient_checkpointing": args.checkpointing,
         "base_gemm_tflop": flops / 1e12,
         "bf16_gemm_tflops_measured": tflops,
         "base_gemm_flop_time_ms": flops / (tflops * 1e12) * 1e3,
