@@ -62,14 +62,12 @@ from transformers.models.llama.modeling_llama import (
 
 import fuselm
 from fuselm.generation import FusedKVCache
-from fuselm.ops import _common as common
 from fuselm.ops._common import autotune_picks
 
 WHATS = ("layer_step", "attention", "projection", "prefill_layer")
 LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                      "rms_norm_eps")
-IMPLS = ("fuselm", "fuselm_no_prefetch", "hf_eager", "hf_compile", "hf_fuselm_ops")  # no_prefetch: the same
-# kernels captured without decode attention's L2 prefetch of the o weight (fuselm.ops._common.prefetching off)
+IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
 BF16 = torch.bfloat16
 LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
 SMOKE_LAYER_SHAPES = [(2, 8)]
@@ -205,16 +203,14 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
         for impl in impls:
             row = {"what": "layer_step", "impl": impl, "batch": batch, "context": context, "max_len": s.max_len,
                    "bytes": total, "bytes_counted": counted}
-            fused = impl.startswith("fuselm")
-            common.prefetching = impl != "fuselm_no_prefetch"
             try:
-                if fused or impl == "hf_fuselm_ops":
+                if impl in ("fuselm", "hf_fuselm_ops"):
                     report = patch_checked(layer)
                 else:
                     fuselm.unpatch(layer)
-                cache, reset = fused_cache(config, s, device) if fused else static_cache(config, s, device)
+                cache, reset = fused_cache(config, s, device) if impl == "fuselm" else static_cache(config, s, device)
                 # HF's model builds this mask once per step for every layer: outside the timed step
-                mask = None if fused else create_causal_mask(config, s.hidden, None, cache, s.position_ids)
+                mask = None if impl == "fuselm" else create_causal_mask(config, s.hidden, None, cache, s.position_ids)
                 if impl == "hf_compile":
                     torch._dynamo.reset()
                 call = torch.compile(layer, dynamic=False) if impl == "hf_compile" else layer
@@ -246,7 +242,6 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
             except Exception as error:  # noqa: BLE001 (e.g. torch.compile failing): recorded, the other impls go on
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             finally:
-                common.prefetching = True
                 fuselm.unpatch(layer)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
-from fuselm.ops._triton import tl, triton
+from fuselm.ops._triton import triton
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -202,47 +202,6 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere): sizes persistent and split grids."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-# Bytes of L2 a kernel may fill ahead for the next one (``prefetch_l2``): the next weights should stay there until read.
-PREFETCH_L2_FRACTION = 0.75
-PREFETCH_CHUNK = tl.constexpr(16384)  # bytes per bulk prefetch instruction
-prefetching = True  # benchmarks turn this off to time the same kernels without prefetches
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    """The L2 bytes prefetches may fill on ``device``: 0 where the bulk prefetch (sm_90+) is missing."""
-    properties = torch.cuda.get_device_properties(device)
-    return int(properties.L2_cache_size * PREFETCH_L2_FRACTION) if properties.major >= 9 else 0
-
-
-def prefetch_span(t: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
-    """(t, bytes) for a kernel's ``prefetch_l2`` of t's first bytes (at most the L2 budget; a multiple of 16), or
-    (None, 0) where nothing is prefetched: no tensor, not on the CUDA ``device``, not dense, not 16-byte aligned,
-    a GPU before Hopper, the interpreter, or ``prefetching`` off. A prefetch only warms L2: results never depend
-    on it."""
-    if (t is None or not prefetching or INTERPRETING or device.type != "cuda" or t.device != device
-            or not t.is_contiguous() or t.data_ptr() % 16):
-        return None, 0
-    n_bytes = min(t.numel() * t.element_size(), _l2_bytes(device)) // 16 * 16
-    return (t, n_bytes) if n_bytes else (None, 0)
-
-
-@triton.jit
-def prefetch_l2(base_ptr, n_bytes, program, programs):
-    """Program ``program`` of ``programs`` asks L2 to fetch its share of the bytes [base, base + n_bytes) (sm_90's
-    ``cp.async.bulk.prefetch.L2``, fire and forget: nothing is read into the SM, nothing waits). Lane i issues chunk
-    ``(program * 128 + i) + k * programs * 128`` of PREFETCH_CHUNK bytes; n_bytes a multiple of 16, base 16-byte
-    aligned."""
-    n_chunks = tl.cdiv(n_bytes, PREFETCH_CHUNK)
-    for first in range(program * 128, n_chunks, programs * 128):
-        chunk = first + tl.arange(0, 128)
-        offset = chunk.to(tl.int64) * PREFETCH_CHUNK
-        size = tl.where(chunk < n_chunks, tl.minimum(n_bytes - offset, PREFETCH_CHUNK), 0).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + offset, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # Per device, int32 counters that are zero between launches (the split kernels' tickets: decode attention's, the

@@ -39,8 +39,6 @@ from fuselm.ops._common import (
     check_same_device,
     check_tensor,
     new_output,
-    prefetch_l2,
-    prefetch_span,
     sm_count,
     zeroed_counters,
 )
@@ -147,12 +145,12 @@ def _row_pointers(base, heads, queries, d, stride_h, stride_t, stride_d):
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr, out_ptr, partial_out_ptr, partial_stats_ptr, tickets_ptr,
-    prefetch_ptr, prefetch_bytes, scale, softcap, window, cache_len, n_splits,
+    scale, softcap, window, cache_len, n_splits,
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
     # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
@@ -160,13 +158,9 @@ def _decode_attention_kernel(
     # chunk it writes the output rows; with several, an fp32 partial (per row: max, sum, unnormalised
     # [D] output), and the last program of the (b, kv head, row block) to finish reads every partial back
     # and writes the output rows. A program with an empty chunk reads nothing (split 0 of a row with
-    # nothing visible writes zeros). With PREFETCH, every program first asks L2 for its share of
-    # prefetch_bytes (the next kernel's weights): a short decode attention leaves DRAM idle otherwise.
+    # nothing visible writes zeros).
     split = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
-    if PREFETCH:
-        prefetch_l2(prefetch_ptr, prefetch_bytes, split + n_splits * (tl.program_id(1) + tl.num_programs(1) * b),
-                    n_splits * tl.num_programs(1) * tl.num_programs(2))
     unit = b * tl.num_programs(1) + tl.program_id(1)  # (b, kv head, row block): its partials and ticket
     row_blocks = (GROUP * N_QUERIES + BLOCK_M - 1) // BLOCK_M
     kv_head, row_block = tl.program_id(1) // row_blocks, tl.program_id(1) % row_blocks
@@ -297,7 +291,7 @@ def _num_splits(batch: int, n_kv_heads: int, row_blocks: int, cache_len: int, sm
 
 
 def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, ends: Tensor, scale: float,
-                           softcap: float, window: int, prefetch: Tensor | None) -> Tensor:
+                           softcap: float, window: int) -> Tensor:
     batch, n_heads, n_queries, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     out = _new_output_for(q, new_output)
@@ -313,20 +307,17 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     partial_stats = new_output((units, n_splits, 2, block_m), torch.float32, q.device)
     partial_out = new_output((units, n_splits, block_m, block_d), torch.float32, q.device)
     grid = (n_splits, n_kv_heads * row_blocks, batch)
-    prefetch, prefetch_bytes = prefetch_span(prefetch, q.device)
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),
-        q if prefetch is None else prefetch, prefetch_bytes, scale, softcap, window, cache_len, n_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
         COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, TILE_ELEMENTS // (combine_rows * block_d)),
-        PREFETCH=prefetch_bytes > 0,
     )
     return out
 
 
-def _decode_attention_fake(q, k_cache, v_cache, starts, ends, scale, softcap, window, prefetch):
+def _decode_attention_fake(q, k_cache, v_cache, starts, ends, scale, softcap, window):
     return _new_output_for(q, torch.empty)
 
 
@@ -372,8 +363,7 @@ def _check_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, end
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, ends: Tensor, *,
-                     scale: float | None = None, softcap: float = 0.0, window: int = 0,
-                     prefetch: Tensor | None = None) -> Tensor:
+                     scale: float | None = None, softcap: float = 0.0, window: int = 0) -> Tensor:
     """Attention of T new queries per row over a KV cache, reading only each row's visible positions.
 
     Args:
@@ -387,9 +377,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor
         scale: softmax scale, default D ** -0.5.
         softcap: 0 = off; else logits become softcap * tanh(logits / softcap) after the scale (Gemma 2).
         window: 0 = off; else a query at position p sees only positions > p - window (HF's sliding window).
-        prefetch: a tensor on q's device the next kernel reads (the o projection's weight), or None. On a Hopper
-            or newer GPU the kernel asks L2 for its first bytes (up to 3/4 of L2) while it runs, so that kernel
-            starts on L2 hits; never read into the kernel, never changes the result; ignored elsewhere.
 
     Returns:
         [B, Hq, T, D] in q's dtype, accumulated in fp32: a transposed view of [B, T, Hq, D] memory, so that
@@ -398,12 +385,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor
         through the Triton path: with grad mode on and an input requiring grad, the PyTorch reference runs.
     """
     _check_args(q, k_cache, v_cache, starts, ends, softcap, window)
-    if prefetch is not None:
-        check_tensor("prefetch", prefetch)
-        check_same_device("q", q, prefetch=prefetch)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     softcap = float(softcap)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
     if runs_triton(q) and not needs_grad:
-        return DECODE_ATTENTION(q, k_cache, v_cache, starts, ends, scale, softcap, window, prefetch)
+        return DECODE_ATTENTION(q, k_cache, v_cache, starts, ends, scale, softcap, window)
     return decode_attention_reference(q, k_cache, v_cache, starts, ends, scale, softcap, window)

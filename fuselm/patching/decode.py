@@ -5,8 +5,7 @@ A patched decoder layer called with a :class:`fuselm.generation.FusedKVCache` an
 
 1. ``qkv_rope``: the input RMSNorm in the prologue, the q/k/v projections (+ biases), the q/k head norms,
    RoPE and the write of the new k and v into the layer's cache buffers, in one weight-streaming kernel;
-2. ``decode_attention`` over each row's valid slots ``[starts, ends)`` (sliding window, soft-capping), which
-   asks L2 for the o projection's weight meanwhile (DRAM is otherwise idle in a short attention);
+2. ``decode_attention`` over each row's valid slots ``[starts, ends)`` (sliding window, soft-capping);
 3. ``linear_residual``: the o projection with the residual add in its epilogue;
 4. ``norm_gated_linear``: the post-attention RMSNorm in the prologue, gate/up, the activation;
 5. ``linear_residual``: the down projection with the residual add.
@@ -180,12 +179,10 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
     q = _queries(layer, facts, hidden, cos, sin, cache, index)
     k_cache, v_cache = cache.buffers(index)
     starts, ends = cache.lengths(index)
-    attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
-    output_weights = plain_linear(getattr(attention, facts.output))
     attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
-                                softcap=facts.softcap or 0.0, window=facts.sliding_window or 0,
-                                prefetch=None if output_weights is None else output_weights[0])
+                                softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
     attended = attended.transpose(1, 2).reshape(batch, seq_len, -1)
+    attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
     if spec.sandwich_norms:
         branch = layer.post_attention_layernorm(_project(getattr(attention, facts.output), attended, None))
         mlp_in, residual = add_then_norm(layer.pre_feedforward_layernorm, branch, hidden)

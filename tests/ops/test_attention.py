@@ -7,7 +7,7 @@ import torch
 
 import fuselm
 from fuselm.ops import attention
-from fuselm.ops._common import _l2_bytes, counters, prefetch_span
+from fuselm.ops._common import counters
 from tests.conftest import DEVICE
 from tests.helpers import assert_close, randn
 
@@ -268,8 +268,6 @@ BAD_INPUTS = [  # (how the arguments change, the exception, what its message nam
     ({"q": lambda t: t.int()}, TypeError, "q"),
     ({"softcap": lambda _: -1.0}, ValueError, "softcap"),
     ({"window": lambda _: 2.5}, ValueError, "window"),
-    ({"prefetch": lambda _: [1.0]}, TypeError, "prefetch"),
-    ({"prefetch": lambda _: torch.ones(4, device="meta")}, ValueError, "prefetch"),
 ]
 
 
@@ -278,30 +276,11 @@ BAD_INPUTS = [  # (how the arguments change, the exception, what its message nam
 def test_bad_input_names_the_argument(path, changes, error, named):
     q, k_cache, v_cache, starts, ends = make_inputs(Case(4, 2, 1, 64, 8, (0, 0), (8, 8)), torch.float32)
     args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "starts": starts, "ends": ends, "softcap": 0.0,
-            "window": 0, "prefetch": None}
+            "window": 0}
     args.update({name: change(args[name]) for name, change in changes.items()})
     with pytest.raises(error, match=named):
         fuselm.decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("starts"),
                                 args.pop("ends"), **args)
-
-
-def test_a_prefetch_changes_nothing(path):
-    """The next kernel's weight handed over for an L2 prefetch: the same output, bit for bit (on a CPU, or before
-    Hopper, nothing is prefetched; the GPU test below takes the prefetch path)."""
-    case = CASES["ratio1-many-splits-left-pad"]
-    q, k_cache, v_cache, starts, ends = make_inputs(case, torch.bfloat16)
-    weight = randn(256, 256, dtype=torch.bfloat16, device=DEVICE)
-    with splits(case.splits):
-        plain = fuselm.decode_attention(q, k_cache, v_cache, starts, ends)
-        prefetching = fuselm.decode_attention(q, k_cache, v_cache, starts, ends, prefetch=weight)
-    assert torch.equal(prefetching, plain)
-
-
-def test_prefetch_span_covers_only_what_a_gpu_can_prefetch():
-    weight = torch.ones(64, 64)
-    assert prefetch_span(weight, torch.device("cpu")) == (None, 0)
-    assert prefetch_span(None, torch.device("cuda", 0)) == (None, 0)
-    assert prefetch_span(weight, torch.device("cuda", 0)) == (None, 0)  # not on that device
 
 
 def check_every_path():
@@ -355,24 +334,3 @@ def test_cuda_graph_replays_with_new_lengths():
             expected = float64_oracle(q, k_cache, v_cache, starts, ends, 128 ** -0.5, 50.0, 1500)
             assert_close(captured, expected, torch.bfloat16)
         assert attention._decode_attention.cache == tuned  # new lengths never re-tuned
-
-
-@pytest.mark.gpu
-def test_prefetch_of_the_next_weight_on_gpu():
-    """Llama-3-8B's heads at B = 1 with o_proj's 32 MiB weight prefetched: the path runs (Hopper), the output is the
-    same bit for bit as without it, eager and replayed from a CUDA graph."""
-    case = Case(32, 8, 1, 128, 1024, (0,), (700,))
-    q, k_cache, v_cache, starts, ends = make_inputs(case, torch.bfloat16, "cuda")
-    weight = randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-    if torch.cuda.get_device_capability()[0] >= 9:
-        assert prefetch_span(weight, weight.device)[1] == min(weight.nbytes, _l2_bytes(weight.device))
-    with fuselm.use_backend("triton"):
-        plain = fuselm.decode_attention(q, k_cache, v_cache, starts, ends)
-        eager = fuselm.decode_attention(q, k_cache, v_cache, starts, ends, prefetch=weight)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = fuselm.decode_attention(q, k_cache, v_cache, starts, ends, prefetch=weight)
-        graph.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(eager, plain) and torch.equal(captured, plain)
-    assert_close(plain, float64_oracle(q, k_cache, v_cache, starts, ends, 128 ** -0.5), torch.bfloat16)
