@@ -51,6 +51,7 @@ from training import build as build_base
 import fuselm
 from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
+from fuselm.ops import _common
 from fuselm.ops._common import autotune_picks
 
 
@@ -174,6 +175,16 @@ def merged_rows(earlier: dict, rows: list[dict]) -> list[dict]:
     ``earlier``, a file older than the tag), then ``rows``."""
     fresh = {row_key(row) for row in rows}
     return [{"run_date": earlier.get("date"), **row} for row in earlier["rows"] if row_key(row) not in fresh] + rows
+
+
+def tuning_table_in_use() -> str:
+    """The shipped tuning table the autotuners consult on this GPU (fuselm/ops/_common.py), or why none."""
+    if not torch.cuda.is_available():
+        return "none: no GPU"
+    path = _common.tuning_table_path(torch.cuda.get_device_name())
+    if not _common.use_tuning_table:
+        return "off (FUSELM_TUNING_TABLE=0): every key tuned"
+    return f"{path.relative_to(_common.TUNING_DIR.parents[2])}" if path.is_file() else "none for this GPU"
 
 
 def train_plan(what: str, args) -> list[tuple[int, bool]]:
@@ -368,6 +379,7 @@ def main() -> None:
             "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
                      f"prompt {args.prompt}, {args.new} new tokens",
             "triton_cache": "cold: an empty TRITON_CACHE_DIR" if args.cold_triton_cache else "as found",
+            "tuning_table": tuning_table_in_use(),
             "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
                            "after 2 untimed ones; each impl in its own process",
             "rows": [{**row, "run_date": run_date} for row in rows],

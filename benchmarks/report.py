@@ -137,7 +137,9 @@ def generate_section(results: dict) -> list[str]:
     formula = next((r["formula"] for r in rows if r["what"] == "generate"), "")
     return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
                     "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
-                    "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step."]
+                    "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step. "
+                    f"First calls: Triton cache {results.get('triton_cache', 'as found')}; fuselm's tuning table "
+                    f"{results.get('tuning_table', 'none (before tables)')}."]
 
 
 TRAIN_STEPS = {"lora_step": "LoRA", "qlora_step": "QLoRA"}

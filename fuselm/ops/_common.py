@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
+import re
 import sys
 import typing
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -244,16 +247,18 @@ def compiling_in_parallel(tuner):
     launch runs as a warm-up (compile only, nothing launched), its compile submitted to the pool; the timing runs then
     find the compiled kernels. A config that fails to compile is left to the timing run, which handles it as triton
     does (an infinite time). Without that module (triton 3.6 and 3.9 have it, 3.2 not), or with ``parallel_compile``
-    off, triton's sequential path runs."""
+    off, triton's sequential path runs. First, a key the GPU's tuning table holds keeps only that config
+    (:func:`_from_table`): nothing else compiles, nothing is compared."""
     try:
         from triton.runtime import _async_compile
     except ImportError:
-        return tuner
+        _async_compile = None
     prune = tuner.prune_configs
 
     def prune_and_compile(kwargs, *rest):
-        configs = prune(kwargs, *rest)
-        if not parallel_compile or len(configs) < 2 or _async_compile.active_mode.get() is not None:
+        configs = _from_table(tuner, kwargs, prune(kwargs, *rest))
+        if (not parallel_compile or len(configs) < 2 or _async_compile is None
+                or _async_compile.active_mode.get() is not None):
             return configs
         args = list(tuner.nargs.values())  # this launch's positional arguments (triton sets nargs before pruning)
         with (ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool,
@@ -265,6 +270,70 @@ def compiling_in_parallel(tuner):
 
     tuner.prune_configs = prune_and_compile
     return tuner
+
+
+# Shipped tuning tables: per GPU model, the configs the autotuners chose for the shapes fuselm's benchmarks run
+# (Llama-3-8B's), written by benchmarks/tuning_table.py from their results' ``autotune_picks``. A key found there runs
+# that config without timing the others (a first call compiles one config per kernel instead of all); any other key,
+# GPU or config list tunes as before. FUSELM_TUNING_TABLE=0 (or ``use_tuning_table = False``) always tunes.
+TUNING_DIR = Path(__file__).with_name("tuning")
+use_tuning_table = os.environ.get("FUSELM_TUNING_TABLE", "1") != "0"
+_TABLE_HITS: set[tuple[str, str]] = set()  # (kernel, key) launched from a table entry, for autotune_picks
+
+
+def tuning_table_path(device_name: str) -> Path:
+    """The table file for a GPU model: ``torch.cuda.get_device_name()`` lower-cased, non-alphanumerics as dashes."""
+    return TUNING_DIR / f"{re.sub(r'[^a-z0-9]+', '-', device_name.lower()).strip('-')}.json"
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of a CUDA device, asked once."""
+    return torch.cuda.get_device_name(device)
+
+
+@functools.cache
+def _tuning_table(device_name: str) -> dict[tuple[str, str], dict]:
+    path = tuning_table_path(device_name)
+    if not path.is_file():
+        return {}
+    picks = json.loads(path.read_text())["picks"]
+    return {(pick["kernel"], json.dumps(pick["key"])): pick["config"] for pick in picks}
+
+
+def _key_text(key: tuple) -> str:
+    """A tuning key as :func:`autotune_picks` writes it (JSON; values that are not numbers as strings)."""
+    return json.dumps([value if isinstance(value, (int, float, bool)) else str(value) for value in key])
+
+
+def _tuning_key(tuner, kwargs: dict) -> tuple:
+    """The key triton's Autotuner.run files this launch under: the key arguments' values, then every tensor
+    argument's dtype as a string (triton 3.2-3.9). Should that change, table lookups miss and tuning runs."""
+    args = {name: value for name, value in {**tuner.nargs, **kwargs}.items() if name in tuner.arg_names}
+    return tuple([args[name] for name in tuner.keys if name in args]
+                 + [str(value.dtype) for value in args.values() if hasattr(value, "dtype")])
+
+
+def launch_device(tuner) -> torch.device | None:
+    """The device of the launch ``tuner`` is tuning: its first tensor argument's."""
+    return next((value.device for value in tuner.nargs.values() if isinstance(value, torch.Tensor)), None)
+
+
+def _from_table(tuner, kwargs: dict, configs: list) -> list:
+    """[the table's config for this launch] when the table of the launch's GPU has this key and that config is among
+    ``configs`` (the pruned list), else ``configs``."""
+    if not use_tuning_table:
+        return configs
+    device = launch_device(tuner)
+    if device is None or device.type != "cuda":
+        return configs
+    name, key = getattr(tuner.fn, "__name__", ""), _key_text(_tuning_key(tuner, kwargs))
+    chosen = _tuning_table(device_name(device)).get((name, key))
+    for config in configs if chosen is not None else ():
+        if {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages} == chosen:
+            _TABLE_HITS.add((name, key))
+            return [config]
+    return configs
 
 
 _TUNERS: list = []  # every GPU autotuner :func:`autotune` made, for :func:`autotune_picks`
@@ -297,19 +366,19 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
 
 def autotune_picks(tuners: list | None = None) -> list[dict]:
     """What the autotuners chose so far in this process, one entry per tuned key: ``{"kernel", "key", "config",
-    "of"}`` with the key's values and the chosen config's meta-parameters, warps and stages as strings and numbers
-    (JSON), and how many configs it was chosen from. For benchmarks' results: which configs a first call could skip.
+    "of", "from_table"}`` with the key's values and the chosen config's meta-parameters, warps and stages as strings
+    and numbers (JSON), how many configs it was chosen from, and whether a tuning table chose it (nothing timed).
+    For benchmarks' results, and the tables' source (benchmarks/tuning_table.py).
     ``tuners`` defaults to every GPU autotuner of :func:`autotune` (none under the interpreter, which does not tune).
     """
     picks = []
     for tuner in _TUNERS if tuners is None else tuners:
         name = getattr(tuner.fn, "__name__", repr(tuner.fn))
         for key, config in tuner.cache.items():
-            picks.append({"kernel": name, "key": [value if isinstance(value, (int, float, bool)) else str(value)
-                                                  for value in key],
+            picks.append({"kernel": name, "key": json.loads(_key_text(key)),
                           "config": {**config.kwargs, "num_warps": config.num_warps,
                                      "num_stages": config.num_stages},
-                          "of": len(tuner.configs)})
+                          "of": len(tuner.configs), "from_table": (name, _key_text(key)) in _TABLE_HITS})
     return picks
 
 

@@ -124,9 +124,9 @@ def test_autotune_picks_lists_each_tuned_key_as_json():
                                     tuner("_untuned_kernel", {})])
     assert picks == [
         {"kernel": "_linear_kernel", "key": [1, 4096, "torch.bfloat16"],
-         "config": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2},
+         "config": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2, "from_table": False},
         {"kernel": "_linear_kernel", "key": [32, 4096, "torch.bfloat16"],
-         "config": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2}]
+         "config": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "of": 2, "from_table": False}]
     assert json.loads(json.dumps(picks)) == picks
 
 
@@ -137,4 +137,104 @@ def test_autotune_picks_records_a_gpu_kernels_tuned_key():
     fuselm.rms_norm(x, torch.randn(x.shape[1], device="cuda"))
     picks = _common.autotune_picks()
     assert any("rms_norm" in pick["kernel"] for pick in picks), sorted({pick["kernel"] for pick in picks})
-    assert all(set(pick) == {"kernel", "key", "config", "of"} and pick["of"] >= 1 for pick in picks)
+    assert all(set(pick) == {"kernel", "key", "config", "of", "from_table"} and pick["of"] >= 1 for pick in picks)
+
+
+@pytest.mark.gpu
+def test_a_shipped_tuning_table_entry_is_used_on_its_gpu():
+    """On a GPU with a shipped table, an op whose key the table holds launches the table's config untimed."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    table = _common._tuning_table(_common.device_name(device))
+    entry = ("_linear_residual_kernel", json.dumps([16, 4096, 4096] + ["torch.bfloat16"] * 5))
+    if entry not in table:
+        pytest.skip(f"no shipped table entry for {entry} on {_common.device_name(device)}")
+    x, residual = (randn(1, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    weight = randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    with fuselm.use_backend("triton"):
+        out = fuselm.linear_residual(x, weight, residual)
+    expected = residual.double() + x.double() @ weight.double().t()
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
+    pick = next(p for p in _common.autotune_picks() if (p["kernel"], json.dumps(p["key"])) == entry)
+    assert pick["from_table"] and pick["config"] == table[entry]
+
+
+class _TableTuner(_FakeTuner):
+    """A fake Autotuner of kernel ``_table_test_kernel`` keyed on ``n`` (and x's dtype), launched on 'cuda:0'."""
+
+    def __init__(self, configs, n):
+        super().__init__(configs)
+        self.fn = self
+        self.__name__ = "_table_test_kernel"
+        self.keys, self.arg_names = ["n"], ["x_ptr", "n"]
+        self.nargs = {"x_ptr": torch.empty(2), "n": n}
+        self.cache = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.compiled.append(kwargs["BLOCK"])
+
+
+def test_a_tuning_table_entry_keeps_only_its_config(monkeypatch, tmp_path):
+    """A key the launch's GPU's table holds keeps the table's config alone (nothing compiled ahead, nothing to time)
+    when the pruned list has it; another key, a config pruned away, another GPU or the table off: all pruned configs.
+    autotune_picks says which picks came from the table."""
+    configs = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=3) for b in (16, 32, 64)]
+    table = {"gpu": "Test GPU 9", "picks": [
+        {"kernel": "_table_test_kernel", "key": [7, "torch.float32"], "config": {"BLOCK": 32, "num_warps": 4,
+                                                                                  "num_stages": 3}},
+        {"kernel": "_table_test_kernel", "key": [8, "torch.float32"], "config": {"BLOCK": 16, "num_warps": 4,
+                                                                                  "num_stages": 3}}]}
+    monkeypatch.setattr(_common, "TUNING_DIR", tmp_path)
+    (tmp_path / "test-gpu-9.json").write_text(json.dumps(table))
+    monkeypatch.setattr(_common, "launch_device", lambda tuner: torch.device("cuda", 0))
+    monkeypatch.setattr(_common, "device_name", lambda device: "Test GPU 9")
+    _common._tuning_table.cache_clear()
+    launch = {"grid": "grid", "warmup": False}
+    hit = _common.compiling_in_parallel(_TableTuner(configs, 7))
+    assert hit.prune_configs(launch) == [configs[1]] and hit.compiled == []
+    hit.cache[(7, "torch.float32")] = configs[1]
+    assert _common.autotune_picks([hit])[0]["from_table"]
+    pruned_away = _common.compiling_in_parallel(_TableTuner(configs, 8))  # the table's BLOCK 16 is pruned
+    assert pruned_away.prune_configs(launch) == configs[1:]
+    assert _common.compiling_in_parallel(_TableTuner(configs, 9)).prune_configs(launch) == configs[1:]
+    monkeypatch.setattr(_common, "use_tuning_table", False)
+    assert _common.compiling_in_parallel(_TableTuner(configs, 7)).prune_configs(launch) == configs[1:]
+    monkeypatch.setattr(_common, "use_tuning_table", True)
+    monkeypatch.setattr(_common, "device_name", lambda device: "Another GPU")
+    assert _common.compiling_in_parallel(_TableTuner(configs, 7)).prune_configs(launch) == configs[1:]
+    _common._tuning_table.cache_clear()
+
+
+def _autotuned_kernels() -> dict[str, list]:
+    """Every autotuned fuselm kernel's name and configs (the union over its autotuners)."""
+    import fuselm.ops.attention
+    import fuselm.ops.cross_entropy
+    import fuselm.ops.decode_linear
+    import fuselm.ops.glu
+    import fuselm.ops.rms_norm
+    import fuselm.ops.rope  # noqa: F401
+
+    kernels = {}
+    for module in [m for name, m in vars(fuselm.ops).items() if not name.startswith("_") or name == "_common"]:
+        for value in vars(module).values():
+            if hasattr(value, "configs") and hasattr(value, "fn"):
+                fn = value
+                while hasattr(fn, "fn"):
+                    fn = fn.fn
+                kernels.setdefault(fn.__name__, []).extend(value.configs)
+    return kernels
+
+
+def test_the_shipped_tuning_tables_name_configs_their_kernels_have():
+    """Each pick of each shipped table is a config its kernel still lists (a table left behind by a change to a
+    config list would only ever miss, silently: this says so). And the names are what tuning_table_path gives."""
+    kernels = _autotuned_kernels()
+    assert {"_linear_residual_kernel", "_qkv_rope_kernel", "_norm_gated_kernel"} <= set(kernels)
+    tables = sorted(_common.TUNING_DIR.glob("*.json"))
+    assert tables, "no shipped tuning table"
+    for path in tables:
+        table = json.loads(path.read_text())
+        assert _common.tuning_table_path(table["gpu"]) == path
+        for pick in table["picks"]:
+            listed = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                      for c in kernels[pick["kernel"]]]
+            assert pick["config"] in listed, (path.name, pick)
