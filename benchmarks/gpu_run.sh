@@ -43,7 +43,7 @@ if [ "${FUSELM_HOST:-0}" = 1 ]; then  # the patched LoRA and QLoRA steps' host v
   done
 fi
 if [ "${FUSELM_CKPT:-0}" = 1 ]; then  # the gradient-checkpointed LoRA step: GPU time by kind and the host view
-  python3 benchmarks/lora_profile.py --host --checkpointing --variants unpatched fuselm.patch \
+  python3 benchmarks/lora_profile.py --host --checkpointing --variants ${FUSELM_CKPT_VARIANTS:-unpatched fuselm.patch} \
     --out "$out/lora-ckpt-host-h200.json" 2>&1 | grep -v Warning | tee "$out/lora-ckpt-host.log"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
