@@ -3,9 +3,10 @@
     python benchmarks/tuning_table.py benchmarks/results/e2e-h200.json benchmarks/results/decode-h200.json
 
 Every results file must come from the same GPU model. A later file's pick for a (kernel, key) replaces an earlier
-one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--skip-kernel`` leaves
-a kernel's picks out (e.g. from a run whose version of that kernel was not the shipped one). The table lists, per
-pick, the file it came from; fuselm reads it at the first tuning of each key (``fuselm.ops._common._from_table``).
+one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--skip FILE:KERNEL``
+leaves a kernel's picks in one file out (e.g. from a run whose version of that kernel was not the shipped one). The
+table lists, per pick, the file it came from; fuselm reads it at the first tuning of each key
+(``fuselm.ops._common._from_table``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from fuselm.ops._common import tuning_table_path
 
 
-def merged_picks(paths: list[str], skip: set[str]) -> tuple[str, list[dict], dict]:
+def merged_picks(paths: list[str], skip: set[tuple[str, str]]) -> tuple[str, list[dict], dict]:
     """(the GPU, the merged picks with their source file, the versions each file was measured under)."""
     gpus, picks, versions = set(), {}, {}
     for path in paths:
@@ -26,7 +27,7 @@ def merged_picks(paths: list[str], skip: set[str]) -> tuple[str, list[dict], dic
         versions[path] = {name: results.get(name) for name in ("torch", "triton", "date", "fuselm_commit")}
         for pick in results.get("autotune_picks", []):
             entry = (pick["kernel"], json.dumps(pick["key"]))
-            if pick["kernel"] in skip or (pick.get("from_table") and entry in picks):
+            if (path, pick["kernel"]) in skip or (pick.get("from_table") and entry in picks):
                 continue
             picks[entry] = {"kernel": pick["kernel"], "key": pick["key"], "config": pick["config"], "source": path}
     if len(gpus) != 1:
@@ -37,9 +38,10 @@ def merged_picks(paths: list[str], skip: set[str]) -> tuple[str, list[dict], dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="benchmark results JSON files with autotune_picks")
-    parser.add_argument("--skip-kernel", action="append", default=[], help="a kernel whose picks to leave out")
+    parser.add_argument("--skip", action="append", default=[], metavar="FILE:KERNEL",
+                        help="leave out this kernel's picks in this file (repeatable)")
     args = parser.parse_args()
-    gpu, picks, versions = merged_picks(args.results, set(args.skip_kernel))
+    gpu, picks, versions = merged_picks(args.results, {tuple(item.rsplit(":", 1)) for item in args.skip})
     out = tuning_table_path(gpu)
     out.write_text(json.dumps({"gpu": gpu, "measured_with": versions, "picks": picks}, indent=1) + "\n")
     print(f"{len(picks)} picks for {gpu} -> {out}")
