@@ -2,8 +2,8 @@
 # The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark and its LoRA/QLoRA
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
-# LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's and (FUSELM_DECODE=1) the decode
-# benchmark; prints a short table last.
+# LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
+# config sweep and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -45,6 +45,9 @@ fi
 if [ "${FUSELM_CKPT:-0}" = 1 ]; then  # the gradient-checkpointed LoRA step: GPU time by kind and the host view
   python3 benchmarks/lora_profile.py --host --checkpointing --variants ${FUSELM_CKPT_VARIANTS:-unpatched fuselm.patch} \
     --out "$out/lora-ckpt-host-h200.json" 2>&1 | grep -v Warning | tee "$out/lora-ckpt-host.log"
+fi
+if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as the benchmark times it (tuning table)
+  python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" 2>&1 | tee "$out/tune-decode.log" | tail -n 20
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"
