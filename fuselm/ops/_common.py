@@ -249,6 +249,8 @@ def compiling_in_parallel(tuner):
     does (an infinite time). Without that module (triton 3.6 and 3.9 have it, 3.2 not), or with ``parallel_compile``
     off, triton's sequential path runs. First, a key the GPU's tuning table holds keeps only that config
     (:func:`_from_table`): nothing else compiles, nothing is compared."""
+    if not hasattr(tuner, "prune_configs"):  # no triton: the stand-in decorators left the plain function
+        return tuner
     try:
         from triton.runtime import _async_compile
     except ImportError:
