@@ -16,8 +16,10 @@ Rows (``benchmarks/results/e2e-h200.json``):
 
 Training (``--no-train`` leaves it out; ``--no-generate`` runs it alone): AdamW steps of PEFT LoRA r16 on the seven
 projections (``training.py``'s model and step, as ``lora_profile.py`` runs them), batch 1, per impl ``unpatched``,
-``fuselm`` (``fuselm.patch`` after PEFT) and ``liger`` (``apply_liger_kernel_to_llama`` before PEFT), each impl in its
-own subprocess, so that neither Liger's class patches nor a peak of one impl reach another:
+``fuselm`` (``fuselm.patch`` after PEFT) and ``liger`` (``apply_liger_kernel_to_llama`` before PEFT), each impl's rows
+in subprocesses of their own, so that neither Liger's class patches nor a peak of one impl reach another; its
+checkpointed rows in one more (a checkpointed run starts in a fresh process, as a user's does: measured after the
+other rows in one process, the checkpointed LoRA step came out at 7116-9600 tok/s against 10221 alone, NOTES.md):
 - ``lora_step``: a bf16 base, at ``--train-tokens``; ``qlora_step``: the projections as bitsandbytes NF4 linears
   (unpatched and fuselm only; a ``skipped`` row where bitsandbytes does not import), at ``--qlora-tokens``;
 - both again at ``--checkpointing-tokens`` with gradient checkpointing (non-reentrant), ``checkpointing: true``;
@@ -187,16 +189,22 @@ def tuning_table_in_use() -> str:
     return f"{path.relative_to(_common.TUNING_DIR.parents[2])}" if path.is_file() else "none for this GPU"
 
 
-def train_plan(what: str, args) -> list[tuple[int, bool]]:
-    """(tokens, gradient checkpointing) of each row of one impl, in the order its subprocess runs them."""
+TRAIN_PARTS = ("plain", "checkpointing")  # one subprocess each per impl
+
+
+def train_plan(what: str, args, part: str | None = None) -> list[tuple[int, bool]]:
+    """(tokens, gradient checkpointing) of each row of one impl (of one part of them: ``TRAIN_PARTS``), in the order
+    its subprocess runs them."""
     tokens = args.train_tokens if what == "lora_step" else args.qlora_tokens
-    return [(count, False) for count in tokens] + [(count, True) for count in args.checkpointing_tokens]
+    plain = [(count, False) for count in tokens] if part in (None, "plain") else []
+    return plain + ([(count, True) for count in args.checkpointing_tokens] if part in (None, "checkpointing") else [])
 
 
-def train_impl_rows(what: str, impl: str, args) -> None:
-    """In the subprocess of one impl: its model, then each row of :func:`train_plan`, printed after ``ROW_MARK``."""
+def train_impl_rows(what: str, impl: str, args, part: str | None = None) -> None:
+    """In a subprocess of one impl: its model, then each row of :func:`train_plan` (of ``part``), printed after
+    ``ROW_MARK``."""
     rows = [{"what": what, "impl": impl, "tokens": tokens, "checkpointing": checkpointing, "layers": args.layers}
-            for tokens, checkpointing in train_plan(what, args)]
+            for tokens, checkpointing in train_plan(what, args, part)]
     try:
         if what == "qlora_step":
             import bitsandbytes  # noqa: F401
@@ -236,8 +244,8 @@ def train_impl_rows(what: str, impl: str, args) -> None:
 
 
 def train_section(args, rows: list, save) -> None:
-    """Each impl's training rows from its own subprocess (this script with ``--one-train-impl``), saved as they
-    come; a subprocess that fails leaves an ``error`` row."""
+    """Each impl's training rows from its subprocesses (this script with ``--one-train-impl``, one per part of
+    ``TRAIN_PARTS`` that has rows), saved as they come; a subprocess that fails leaves an ``error`` row."""
     options = ["--layers", str(args.layers), "--train-steps", str(args.train_steps),
                "--train-tokens", *map(str, args.train_tokens), "--qlora-tokens", *map(str, args.qlora_tokens),
                "--checkpointing-tokens", *map(str, args.checkpointing_tokens)] + (["--smoke"] if args.smoke else [])
@@ -252,21 +260,24 @@ def train_section(args, rows: list, save) -> None:
                 print(train_line(rows[-1]), flush=True)
                 save()
                 continue
-            start = time.perf_counter()
-            command = [sys.executable, os.path.abspath(__file__), "--one-train-impl", f"{what}:{impl}", *options]
-            with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
-                for line in child.stdout:
-                    if not line.startswith(ROW_MARK):
-                        print(line, end="", flush=True)
-                        continue
-                    row = json.loads(line[len(ROW_MARK):])
-                    rows.append(row)
+            for part in [part for part in TRAIN_PARTS if train_plan(what, args, part)]:
+                start = time.perf_counter()
+                command = [sys.executable, os.path.abspath(__file__), "--one-train-impl", f"{what}:{impl}:{part}",
+                           *options]
+                with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+                    for line in child.stdout:
+                        if not line.startswith(ROW_MARK):
+                            print(line, end="", flush=True)
+                            continue
+                        row = json.loads(line[len(ROW_MARK):])
+                        rows.append(row)
+                        save()
+                        print(train_line(row), flush=True)
+                if child.returncode:
+                    rows.append({"what": what, "impl": impl, "part": part,
+                                 "error": f"its subprocess exited with {child.returncode}"})
                     save()
-                    print(train_line(row), flush=True)
-            if child.returncode:
-                rows.append({"what": what, "impl": impl, "error": f"its subprocess exited with {child.returncode}"})
-                save()
-            print(f"{what} {impl}: {time.perf_counter() - start:.0f} s in its subprocess", flush=True)
+                print(f"{what} {impl} ({part} rows): {time.perf_counter() - start:.0f} s in its subprocess", flush=True)
     print(f"training rows: {time.perf_counter() - began:.0f} s", flush=True)
 
 
@@ -340,7 +351,7 @@ def main() -> None:
     parser.add_argument("--cold-triton-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="run with an empty Triton cache (a fresh TRITON_CACHE_DIR), so first_call_s includes "
                              "compiling every kernel config, as a user's first run does")
-    parser.add_argument("--one-train-impl", help=argparse.SUPPRESS)  # what:impl, the training subprocess's rows
+    parser.add_argument("--one-train-impl", help=argparse.SUPPRESS)  # what:impl[:part], a training subprocess's rows
     parser.add_argument("--out", default="benchmarks/results/e2e-h200.json")
     parser.add_argument("--merge-into", help="an earlier results file: keep its rows that this run does not measure "
                                              "again (same what, impl, batch, prompt/tokens, checkpointing), each "
@@ -358,7 +369,8 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
     if args.one_train_impl:
-        train_impl_rows(*args.one_train_impl.split(":"), args)
+        what, impl, *part = args.one_train_impl.split(":")
+        train_impl_rows(what, impl, args, *part)
         return
     if args.cold_triton_cache:  # first_call_s as on a machine that never ran fuselm (the training children inherit it)
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fuselm-e2e-triton-cache-")

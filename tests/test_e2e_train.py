@@ -32,6 +32,14 @@ def printed_rows(e2e, out: str) -> list[dict]:
     return [json.loads(line[len(e2e.ROW_MARK):]) for line in out.splitlines() if line.startswith(e2e.ROW_MARK)]
 
 
+def test_a_part_runs_only_its_rows(e2e, capsys):
+    """The checkpointed rows run in a subprocess of their own, after a fresh model build; the plain rows in another."""
+    e2e.train_impl_rows("lora_step", "fuselm", SMOKE, "checkpointing")
+    assert [(row["tokens"], row["checkpointing"]) for row in printed_rows(e2e, capsys.readouterr().out)] == [(8, True)]
+    assert e2e.train_plan("lora_step", SMOKE, "plain") == [(12, False), (16, False)]
+    assert e2e.train_plan("qlora_step", SMOKE, "checkpointing") == [(8, True)]
+
+
 @pytest.mark.parametrize("impl", ["unpatched", "fuselm"])
 def test_one_impl_prints_a_row_per_planned_step(e2e, impl, capsys):
     e2e.train_impl_rows("lora_step", impl, SMOKE)
@@ -51,9 +59,9 @@ class FakeChild:
     """A subprocess that printed a progress line and one row (``exit_code`` 0), or nothing (failed)."""
 
     def __init__(self, e2e, command: list[str], exit_code: int):
-        what, impl = command[command.index("--one-train-impl") + 1].split(":")
-        row = {"what": what, "impl": impl, "tokens": 16, "checkpointing": False, "ms": 1.0, "tok_per_s": 16e3,
-               "peak_gib": 1.0}
+        what, impl, part = command[command.index("--one-train-impl") + 1].split(":")
+        row = {"what": what, "impl": impl, "tokens": 16, "checkpointing": part == "checkpointing", "ms": 1.0,
+               "tok_per_s": 16e3, "peak_gib": 1.0}
         self.stdout = iter(["building\n"] + ([e2e.ROW_MARK + json.dumps(row) + "\n"] if exit_code == 0 else []))
         self.returncode = exit_code
 
@@ -71,17 +79,20 @@ def test_the_parent_saves_each_row_and_skips_what_cannot_import(e2e, monkeypatch
 
     def popen(command, **options):
         commands.append(command)
-        return FakeChild(e2e, command, exit_code=1 if "lora_step:fuselm" in command else 0)
+        failing = command[command.index("--one-train-impl") + 1].startswith("lora_step:fuselm:")
+        return FakeChild(e2e, command, exit_code=1 if failing else 0)
 
     monkeypatch.setattr(e2e, "find_spec", lambda name: None)
     monkeypatch.setattr(e2e.subprocess, "Popen", popen)
     rows, saves = [], []
     e2e.train_section(SMOKE, rows, lambda: saves.append(len(rows)))
-    assert [command[command.index("--one-train-impl") + 1] for command in commands] == ["lora_step:unpatched",
-                                                                                           "lora_step:fuselm"]
+    assert [command[command.index("--one-train-impl") + 1] for command in commands] == [
+        "lora_step:unpatched:plain", "lora_step:unpatched:checkpointing", "lora_step:fuselm:plain",
+        "lora_step:fuselm:checkpointing"]
     assert all("--smoke" in command for command in commands)
     assert [(row["what"], row["impl"], next(key for key in ("tok_per_s", "error", "skipped") if key in row))
-            for row in rows] == [("lora_step", "unpatched", "tok_per_s"), ("lora_step", "fuselm", "error"),
+            for row in rows] == [("lora_step", "unpatched", "tok_per_s"), ("lora_step", "unpatched", "tok_per_s"),
+                                 ("lora_step", "fuselm", "error"), ("lora_step", "fuselm", "error"),
                                  ("lora_step", "liger", "skipped"), ("qlora_step", "unpatched", "skipped"),
                                  ("qlora_step", "fuselm", "skipped")]
     assert saves == list(range(1, len(rows) + 1))
@@ -95,8 +106,9 @@ def test_train_impls_runs_only_the_named_impls(e2e, monkeypatch):
                         FakeChild(e2e, command, exit_code=0))
     args = SimpleNamespace(**{**vars(SMOKE), "train_impls": ["qlora_step:fuselm", "lora_step:liger"]})
     e2e.train_section(args, [], lambda: None)
-    assert [command[command.index("--one-train-impl") + 1] for command in commands] == ["lora_step:liger",
-                                                                                           "qlora_step:fuselm"]
+    assert [command[command.index("--one-train-impl") + 1] for command in commands] == [
+        "lora_step:liger:plain", "lora_step:liger:checkpointing", "qlora_step:fuselm:plain",
+        "qlora_step:fuselm:checkpointing"]
 
 
 def test_an_unknown_train_impl_is_refused_by_name(e2e, monkeypatch, capsys):
