@@ -196,8 +196,8 @@ def train_plan(what: str, args, part: str | None = None) -> list[tuple[int, bool
     """(tokens, gradient checkpointing) of each row of one impl (of one part of them: ``TRAIN_PARTS``), in the order
     its subprocess runs them."""
     tokens = args.train_tokens if what == "lora_step" else args.qlora_tokens
-    plain = [(count, False) for count in tokens] if part in (None, "plain") else []
-    return plain + ([(count, True) for count in args.checkpointing_tokens] if part in (None, "checkpointing") else [])
+    plain, checkpointed = [(count, False) for count in tokens], [(count, True) for count in args.checkpointing_tokens]
+    return {"plain": plain, "checkpointing": checkpointed, None: plain + checkpointed}[part]
 
 
 def train_impl_rows(what: str, impl: str, args, part: str | None = None) -> None:

@@ -27,7 +27,7 @@ import fuselm
 from fuselm.ops import _common, decode_linear
 
 
-def cases(m: int) -> list[tuple[object, str, object]]:
+def cases(m: int) -> list[tuple[object, object, str]]:
     """(the kernel's autotuner, its projection, the implementation fuselm's dispatch runs at M = m)."""
     norm_in_prologue = {True: "fused, norm in prologue", False: "fused, rms_norm first"}
     qkv, gate_up = qkv_projection(LLAMA3_8B, m), gate_up_projection(LLAMA3_8B, m)
