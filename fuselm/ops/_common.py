@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from fuselm.backend import INTERPRETING
-from fuselm.ops._triton import triton
+from fuselm.ops._triton import gdc_launch_dependents, gdc_wait, tl, triton
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -205,6 +205,60 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere): sizes persistent and split grids."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+# Programmatic dependent launch (Hopper and later): a decode step is a chain of short kernels, and each one's launch,
+# ramp-up and tail leave the GPU partly idle (the ~5 us fixed cost per projection kernel, benchmarks/NOTES.md).
+# Launched with ``launch_pdl``, a kernel may start its programs once every program of the kernel before it has passed
+# its main loop (``let_next_kernel_launch``); they prefetch their first weight bytes into L2 (weights: nothing in the
+# step writes them) and wait (``wait_for_previous_kernel``) before they touch anything else. Measured on the H200
+# (benchmarks/NOTES.md, layer step us): B1 x 512 145.2 -> 139.5, but B32 x 1024 182.6 -> 184.0 and releasing the next
+# kernel at the start instead was slower everywhere; so launches of up to DEPENDENT_MAX_ROWS rows only.
+# FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
+# FUSELM_WEIGHT_PREFETCH sets the prefetched bytes per weight row (benchmarks; 0: none).
+use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
+DEPENDENT_MAX_ROWS = 8
+weight_prefetch_bytes = int(os.environ.get("FUSELM_WEIGHT_PREFETCH", "512"))
+
+
+@functools.cache
+def _supports_dependent_launch(device: torch.device) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def dependent_launch(device: torch.device, n_rows: int, prefetch: bool = True) -> dict:
+    """The launch keywords of a kernel with a ``DEPENDENT`` constexpr (and, with ``prefetch``, ``PREFETCH_LINES``:
+    128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to DEPENDENT_MAX_ROWS rows where the
+    GPU (sm_90+) and triton support it; off (both 0) elsewhere, the interpreter included."""
+    on = (use_dependent_launch and 0 < n_rows <= DEPENDENT_MAX_ROWS and not INTERPRETING and device.type == "cuda"
+          and _supports_dependent_launch(device))
+    lines = {"PREFETCH_LINES": triton.next_power_of_2(weight_prefetch_bytes // 128) if on and weight_prefetch_bytes
+             >= 128 else 0} if prefetch else {}
+    return {"DEPENDENT": True, "launch_pdl": True, **lines} if on else {"DEPENDENT": False, **lines}
+
+
+@triton.jit
+def wait_for_previous_kernel(DEPENDENT: tl.constexpr):
+    """With DEPENDENT (a dependent launch): wait until the kernel before this one has finished and its writes are
+    visible. Call it before touching any tensor an earlier kernel may write; only what no kernel writes (weights)
+    may be read before it."""
+    if DEPENDENT:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_launch(DEPENDENT: tl.constexpr):
+    """With DEPENDENT: the next kernel may start its programs once every program of this one has called this (after
+    its main loop; they then wait for this kernel's end before reading its outputs)."""
+    if DEPENDENT:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """Each masked-in address's 128-byte line into L2 (prefetch.global.L2), nothing returned."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # Per device, int32 counters that are zero between launches (the split kernels' tickets: decode attention's, the

@@ -36,4 +36,9 @@ except ImportError:
                                    heuristics=_decorator_factory, Config=_Config)
     tl = types.SimpleNamespace(constexpr=lambda value: value)
 
-__all__ = ["TRITON_AVAILABLE", "tl", "triton"]
+try:  # grid dependency control (programmatic dependent launch, sm_90+): triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["TRITON_AVAILABLE", "gdc_launch_dependents", "gdc_wait", "tl", "triton"]

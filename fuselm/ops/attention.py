@@ -38,8 +38,11 @@ from fuselm.ops._common import (
     check_same,
     check_same_device,
     check_tensor,
+    dependent_launch,
+    let_next_kernel_launch,
     new_output,
     sm_count,
+    wait_for_previous_kernel,
     zeroed_counters,
 )
 from fuselm.ops._triton import tl, triton
@@ -150,7 +153,7 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
     # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
@@ -164,6 +167,7 @@ def _decode_attention_kernel(
     unit = b * tl.num_programs(1) + tl.program_id(1)  # (b, kv head, row block): its partials and ticket
     row_blocks = (GROUP * N_QUERIES + BLOCK_M - 1) // BLOCK_M
     kv_head, row_block = tl.program_id(1) // row_blocks, tl.program_id(1) % row_blocks
+    wait_for_previous_kernel(DEPENDENT)
     start = tl.maximum(tl.load(starts_ptr + b).to(tl.int32), 0)
     end = tl.load(ends_ptr + b).to(tl.int32)
     hi = tl.minimum(end, cache_len)
@@ -215,6 +219,7 @@ def _decode_attention_kernel(
             row_sum = row_sum * rescale + tl.sum(weights, axis=1)
             acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, DOT_PRECISION)
             row_max = new_max
+        let_next_kernel_launch(DEPENDENT)
         if n_active == 1:
             out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -313,6 +318,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
         COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, TILE_ELEMENTS // (combine_rows * block_d)),
+        **dependent_launch(q.device, batch * n_queries, prefetch=False),
     )
     return out
 

@@ -45,7 +45,11 @@ from fuselm.ops._common import (
     check_same,
     check_same_device,
     check_tensor,
+    dependent_launch,
+    let_next_kernel_launch,
     new_output,
+    prefetch_to_l2,
+    wait_for_previous_kernel,
     zeroed_counters,
 )
 from fuselm.ops._triton import tl, triton
@@ -204,6 +208,16 @@ def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner):
 
 
 @triton.jit
+def _prefetch_weight_rows(w_ptr, weight_rows, rows_ok, k_lo, stride_wn, n_inner, PREFETCH_LINES: tl.constexpr):
+    """Into L2: the first PREFETCH_LINES 128-byte lines of W[weight_rows, k_lo:] (before the dependent wait)."""
+    if PREFETCH_LINES > 0:
+        per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+        cols = k_lo + tl.arange(0, PREFETCH_LINES) * per_line
+        prefetch_to_l2(w_ptr + weight_rows[:, None] * stride_wn + cols[None, :],
+                       rows_ok[:, None] & (cols[None, :] < n_inner))
+
+
+@triton.jit
 def _cast(x, DTYPE: tl.constexpr):
     """x.to(DTYPE), rounding to nearest even (by hand in the interpreter, whose fp32 -> bf16 cast truncates)."""
     if _INTERPRETER and DTYPE == tl.bfloat16:
@@ -273,8 +287,8 @@ def _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out
 def _linear_residual_kernel(
     x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
     # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
@@ -288,11 +302,14 @@ def _linear_residual_kernel(
     chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * chunk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    _prefetch_weight_rows(w_ptr, cols_n, col_ok, k_lo, stride_wn, n_inner, PREFETCH_LINES)
+    wait_for_previous_kernel(DEPENDENT)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False, False,
                           w_ptr.dtype.element_ty)
         acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
+    let_next_kernel_launch(DEPENDENT)
     mask = row_ok[:, None] & col_ok[None, :]
     last = True
     if SPLIT_K > 1:
@@ -320,8 +337,8 @@ def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
     HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr, NORM_ROWS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
@@ -331,6 +348,9 @@ def _norm_gated_kernel(
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     row_ok = rows < n_rows
+    _prefetch_weight_rows(gate_ptr, cols_n, col_ok, 0, stride_gn, n_inner, PREFETCH_LINES)
+    _prefetch_weight_rows(up_ptr, cols_n, col_ok, 0, stride_un, n_inner, PREFETCH_LINES)
+    wait_for_previous_kernel(DEPENDENT)
     rstd = 0.0
     if HAS_NORM:
         rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
@@ -342,6 +362,7 @@ def _norm_gated_kernel(
                           CAST_NORMED, gate_ptr.dtype.element_ty)
         acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
         acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
+    let_next_kernel_launch(DEPENDENT)
     out_dtype = out_ptr.dtype.element_ty
     gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
     activated, _ = _activation(gate, ACTIVATION)
@@ -449,8 +470,9 @@ def _qkv_rope_kernel(
     eps, head_eps, offset,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
     HAS_TAIL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
@@ -466,14 +488,17 @@ def _qkv_rope_kernel(
     rows_first, rows_second, rows_tail = head * head_dim + d1, head * head_dim + half + d1, head * head_dim + tail
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     row_ok = rows < n_rows
+    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
+    _prefetch_weight_rows(w_ptr, rows_first, ok1, k_lo, stride_w, n_inner, PREFETCH_LINES)
+    _prefetch_weight_rows(w_ptr, rows_second, ok1, k_lo, stride_w, n_inner, PREFETCH_LINES)
+    wait_for_previous_kernel(DEPENDENT)
     rstd = 0.0
     if HAS_NORM:
         rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
-    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(1) * chunk
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
@@ -482,6 +507,7 @@ def _qkv_rope_kernel(
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
             acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
+    let_next_kernel_launch(DEPENDENT)
     last = True
     if SPLIT_K > 1:
         # the partial's columns: slot s's head_dim columns of the [SPLIT_K, M, slots * D] fp32 workspace
@@ -647,7 +673,7 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     _linear_residual_kernel[grid](
         x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows))
+        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows), **dependent_launch(x.device, n_rows))
     return out
 
 
@@ -663,7 +689,8 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
         HAS_NORM=norm_weight is not None, CAST_NORMED=casting == "llama", ACTIVATION=activation,
-        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None))
+        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None),
+        **dependent_launch(x.device, n_rows))
     return out
 
 
@@ -711,7 +738,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
-        **_norm_blocks(*x2.shape, norm_weight is not None))
+        **_norm_blocks(*x2.shape, norm_weight is not None), **dependent_launch(x.device, x2.shape[0]))
     return q_out
 
 

@@ -240,3 +240,53 @@ def test_the_shipped_tuning_tables_name_configs_their_kernels_have():
             listed = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                       for c in kernels[pick["kernel"]]]
             assert pick["config"] in listed, (path.name, pick)
+
+
+def test_dependent_launch_is_off_on_the_cpu_and_in_the_interpreter():
+    assert _common.dependent_launch(torch.device("cpu"), 1) == {"DEPENDENT": False, "PREFETCH_LINES": 0}
+    assert _common.dependent_launch(torch.device("cpu"), 1, prefetch=False) == {"DEPENDENT": False}
+
+
+def test_dependent_launch_is_on_for_few_rows_where_the_gpu_supports_it(monkeypatch):
+    """The launch keywords as a supporting GPU gets them (the GPU and the interpreter check stood in for)."""
+    monkeypatch.setattr(_common, "INTERPRETING", False)
+    monkeypatch.setattr(_common, "_supports_dependent_launch", lambda device: True)
+    monkeypatch.setattr(_common, "weight_prefetch_bytes", 512)
+    cuda = torch.device("cuda", 0)
+    assert _common.dependent_launch(cuda, 1) == {"DEPENDENT": True, "launch_pdl": True, "PREFETCH_LINES": 4}
+    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS, prefetch=False) == {"DEPENDENT": True,
+                                                                                          "launch_pdl": True}
+    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS + 1)["DEPENDENT"] is False
+    assert _common.dependent_launch(cuda, 0)["DEPENDENT"] is False
+    monkeypatch.setattr(_common, "weight_prefetch_bytes", 0)
+    assert _common.dependent_launch(cuda, 1)["PREFETCH_LINES"] == 0
+    monkeypatch.setattr(_common, "use_dependent_launch", False)
+    assert _common.dependent_launch(cuda, 1) == {"DEPENDENT": False, "PREFETCH_LINES": 0}
+
+
+@pytest.mark.gpu
+def test_a_chain_of_dependent_launches_replayed_in_a_cuda_graph_equals_plain_launches(monkeypatch):
+    """Each linear_residual reads the one before's output: launched dependently (each waits for the one before) in a
+    replayed graph, with new inputs, the result equals the same chain launched plainly."""
+    weights = [randn(512, 512, dtype=torch.bfloat16, device="cuda") / 16 for _ in range(4)]
+    x = randn(1, 512, dtype=torch.bfloat16, device="cuda")
+
+    def chain(h):
+        for weight in weights:
+            h = fuselm.linear_residual(h, weight, h)
+        return h
+
+    with fuselm.use_backend("triton"):
+        chain(x)  # tunes every key before the capture
+        graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+        with torch.cuda.graph(graph):
+            static_out = chain(static_x)
+        for _ in range(3):
+            static_x.copy_(randn(1, 512, dtype=torch.bfloat16, device="cuda"))
+            graph.replay()
+            monkeypatch.setattr(_common, "use_dependent_launch", False)
+            expected = chain(static_x)
+            monkeypatch.setattr(_common, "use_dependent_launch", True)
+            torch.cuda.synchronize()
+            assert torch.isfinite(static_out).all()
+            assert torch.equal(static_out, expected)
