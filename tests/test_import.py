@@ -19,7 +19,7 @@ from fuselm.ops.attention import decode_attention_reference
 from fuselm.ops.cross_entropy import cross_entropy_reference, linear_cross_entropy_reference
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
-from fuselm.ops.lora import lora_add_reference
+from fuselm.ops.lora import lora_add_reference, lora_linear_reference
 from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
 from fuselm.ops.rope import rope_reference
 
@@ -59,6 +59,12 @@ CASES = {  # op: (fuselm's result on fp32 inputs, the reference's on float64 cop
                                                [0.5, 2.0]),
                         [lora_add_reference(*d(x, gate, head[:4], head[:, :4]), 0.5),
                          lora_add_reference(*d(x, up, head[4:6], head[:, 4:6]), 2.0)]),
+    "lora_linear": (fuselm.lora_linear(x, head, w, head[:4], head[:, :4], 0.5),
+                    [lora_linear_reference(*d(x, head, w, head[:4], head[:, :4]), 0.5)]),
+    "lora_linear_shared": (fuselm.lora_linear_shared(x, [head, head[:8]], [w, None], [head[:4], head[4:6]],
+                                                     [head[:, :4], head[:8, 4:6]], [0.5, 2.0]),
+                           [lora_linear_reference(*d(x, head, w, head[:4], head[:, :4]), 0.5),
+                            lora_linear_reference(*d(x, head[:8]), None, *d(head[4:6], head[:8, 4:6]), 2.0)]),
 }
 assert set(CASES) == set(fuselm._OPS), "a public op without a case here"
 for name, (out, ref) in CASES.items():

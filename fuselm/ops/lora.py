@@ -31,6 +31,12 @@ A q/k/v group takes 9 launches forward and 10 backward, gate/up 7 and 8, o and d
 before the adapters were cast once per call and the A gradients batched). The step is host-bound at 4096 tokens,
 so launches count (benchmarks/NOTES.md).
 
+``lora_linear`` takes the base too when it is a frozen ``nn.Linear`` (weights read in place, bias optional): the base
+GEMM x Wᵀ is cuBLAS's as in the layer's own call, the branch is added into its output in place, and backward sums
+the group's input gradient in one buffer, dx = u A'_cat, then dx += dy_i W_i per projection (addmm accumulating in
+its epilogue). Left to autograd, the base layers are nodes of their own and x's gradient is a sum of 2-4 tensors
+(one add kernel and one full [M, K] pass each: ~7 per layer, 7 ms per step of Llama-3-8B at 4096 tokens).
+
 Both paths give ``out`` in base_out's dtype. The reference is PEFT's own arithmetic (fp32 branch when A is fp32).
 """
 
@@ -137,39 +143,57 @@ def _setup_lora_add(ctx, inputs, output):
     ctx.save_for_backward(*kept, *internals)
     ctx.adapter_dtypes = [a.dtype for _, a, _ in projections]
     ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
+    ctx.x_shape = x.shape
+
+
+def _branch_grads(ctx, dys: list[Tensor | None], rows: Tensor, t: Tensor, half_bs: list[Tensor],
+                  need_a: list[bool], need_b: list[bool]) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
+    """The branch's backward for row-shaped output gradients ``dys`` (None: an output nobody used): u = [u_1 | u_2 |
+    ...] [M, Σr] with u_i = dy_i B_i, and per projection dA_i (all in one GEMM: s ⊙ uᵀ x) and dB_i = dy_iᵀ t'_i, in
+    the adapters' dtypes; None where not needed. An unused output's rows of u are zeros."""
+    ranks = [b.shape[1] for b in half_bs]
+    grad_as, grad_bs = [None] * len(half_bs), [None] * len(half_bs)
+    us, start = [], 0
+    for i, (dy, half_b, rank) in enumerate(zip(dys, half_bs, ranks)):
+        if dy is None:
+            us.append(rows.new_zeros((rows.shape[0], rank)))
+        else:
+            us.append(dy @ half_b)
+            if need_b[i]:
+                grad_bs[i] = _mm_fp32(dy.t(), t[:, start:start + rank]).to(ctx.adapter_dtypes[i])
+        start += rank
+    u = torch.cat(us, dim=1) if len(us) > 1 else us[0]
+    wanted = [need and dy is not None for need, dy in zip(need_a, dys)]
+    if any(wanted):
+        for i, grad in enumerate(_scale_rows(_mm_fp32(u.t(), rows), ranks, ctx.scalings).split(ranks)):
+            grad_as[i] = grad.to(ctx.adapter_dtypes[i]) if wanted[i] else None
+    return u, grad_as, grad_bs
+
+
+def _branch_input(ctx, x: Tensor, up: Tensor | None) -> Tensor:
+    """The branch's input x as [M, K] rows: saved as is, or (``ctx.recompute``) made again from the GLU's inputs."""
+    if ctx.recompute:
+        with torch.no_grad():
+            x = GATED[ctx.activation](x, up)
+    return as_rows(x)
 
 
 def _backward_lora_add(ctx, grads):
-    """With u_i = dy_i B_i:  dx = [u_1 | u_2 | ...] A'_cat,  [dA_1; dA_2; ...] = s ⊙ [u_1 | ...]ᵀ x (one GEMM),
-    dB_i = dy_iᵀ t'_i."""
+    """dx = u A'_cat (the branch's part; the base outputs' gradients pass through), with u, dA, dB from
+    :func:`_branch_grads`."""
     x, up, t, a_cat, *half_bs = ctx.saved_tensors
-    needs, scalings = ctx.needs_input_grad, ctx.scalings
-    if ctx.recompute:  # x saved as the GLU's inputs (gate, up): x again, as the forward's GLU made it
-        with torch.no_grad():
-            x = GATED[ctx.activation](x, up)
-    rows = as_rows(x)
-    ranks = [b.shape[1] for b in half_bs]
+    needs, n = ctx.needs_input_grad, len(half_bs)
     result = [None] * (1 + 3 * MAX_SHARED + 4)
-    us, start = [], 0
-    with torch.autocast(x.device.type, enabled=False):
-        for i, (dy, half_b, rank) in enumerate(zip(grads, half_bs, ranks)):
-            result[1 + 3 * i] = dy if needs[1 + 3 * i] else None  # the base output's gradient passes through
-            if dy is None:  # an output nobody used: its adapters get no gradient, x none from it
-                us.append(rows.new_zeros((rows.shape[0], rank)))
-            else:
-                dy = as_rows(dy)
-                us.append(dy @ half_b)
-                if needs[3 + 3 * i]:
-                    result[3 + 3 * i] = _mm_fp32(dy.t(), t[:, start:start + rank]).to(ctx.adapter_dtypes[i])
-            start += rank
-        u = torch.cat(us, dim=1) if len(us) > 1 else us[0]
-        wanted = [needs[2 + 3 * i] and grads[i] is not None for i in range(len(us))]
-        if any(wanted):  # every A's gradient in one GEMM; unused outputs' rows are zeros, not returned
-            grad_a = _scale_rows(_mm_fp32(u.t(), rows), ranks, scalings).split(ranks)
-            for i, grad in enumerate(grad_a):
-                result[2 + 3 * i] = grad.to(ctx.adapter_dtypes[i]) if wanted[i] else None
+    with torch.autocast(t.device.type, enabled=False):
+        rows = _branch_input(ctx, x, up)
+        dys = [None if dy is None else as_rows(dy) for dy in grads[:n]]
+        u, grad_as, grad_bs = _branch_grads(ctx, dys, rows, t, half_bs, [needs[2 + 3 * i] for i in range(n)],
+                                            [needs[3 + 3 * i] for i in range(n)])
+        for i in range(n):
+            result[1 + 3 * i] = grads[i] if needs[1 + 3 * i] else None
+            result[2 + 3 * i], result[3 + 3 * i] = grad_as[i], grad_bs[i]
         if needs[0]:
-            result[0] = (u @ a_cat).view(x.shape)
+            result[0] = (u @ a_cat).view(ctx.x_shape)
     return tuple(result)
 
 
@@ -177,30 +201,136 @@ LORA_ADD = FusedOp("lora_add", _lora_add_impl, fake=_lora_add_fake, setup_contex
                    backward=_backward_lora_add)
 
 
+def _linears(args: tuple) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor]]:
+    """(weight, bias, A, B) per projection in ``lora_linear``'s flat arguments (w0, bias0, a0, b0, w1, ...)."""
+    return [tuple(args[i:i + 4]) for i in range(0, 4 * MAX_SHARED, 4) if args[i] is not None]
+
+
+def _lora_linear_impl(x: Tensor, w0: Tensor, bias0: Tensor | None, a0: Tensor, b0: Tensor, w1: Tensor | None,
+                      bias1: Tensor | None, a1: Tensor | None, b1: Tensor | None, w2: Tensor | None,
+                      bias2: Tensor | None, a2: Tensor | None, b2: Tensor | None, gate: Tensor | None,
+                      up: Tensor | None, scalings: list[float], activation: str) -> list[Tensor]:
+    """[out_0, ..., t', A'_cat, B_0, ...] as :func:`_lora_add_impl`'s, with each base output made here: x Wᵀ (+ bias)
+    by cuBLAS, then the branch added into it in place (an addmm reading it back in its epilogue)."""
+    linears = _linears((w0, bias0, a0, b0, w1, bias1, a1, b1, w2, bias2, a2, b2))
+    with torch.autocast(x.device.type, enabled=False):
+        rows = as_rows(x)
+        a_cat, *half_bs = _half_adapters([(None, a, b) for _, _, a, b in linears], scalings, x.dtype)
+        t = rows @ a_cat.t()
+        outs = []
+        for (weight, bias, _, _), half_b, t_part in zip(linears, half_bs, t.split([b.shape[1] for b in half_bs], 1)):
+            base = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
+            outs.append(base.addmm_(t_part, half_b.t()).view(*x.shape[:-1], weight.shape[0]))
+    return [*outs, t, a_cat, *half_bs]
+
+
+def _lora_linear_fake(x, w0, bias0, a0, b0, w1, bias1, a1, b1, w2, bias2, a2, b2, gate, up, scalings, activation):
+    linears = _linears((w0, bias0, a0, b0, w1, bias1, a1, b1, w2, bias2, a2, b2))
+    rank = sum(a.shape[0] for _, _, a, _ in linears)
+    return ([x.new_empty((*x.shape[:-1], w.shape[0])) for w, _, _, _ in linears]
+            + [x.new_empty((x.numel() // x.shape[-1], rank)), x.new_empty((rank, x.shape[-1]))]
+            + [b.new_empty(b.shape, dtype=x.dtype) for _, _, _, b in linears])
+
+
+def _setup_lora_linear(ctx, inputs, output):
+    x, *flat, gate, up, scalings, activation = inputs
+    linears = _linears(tuple(flat))
+    internals = output[len(linears):]
+    ctx.mark_non_differentiable(*internals)
+    ctx.set_materialize_grads(False)
+    kept = (x, None) if gate is None else (gate, up)
+    ctx.save_for_backward(*kept, *internals, *(w for w, _, _, _ in linears))
+    ctx.adapter_dtypes = [a.dtype for _, _, a, _ in linears]
+    ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
+    ctx.x_shape = x.shape
+
+
+def _backward_lora_linear(ctx, grads):
+    """dx = u A'_cat + Σ_i dy_i W_i, accumulated in one buffer by addmm (no separate add per projection, as autograd
+    makes when the base layers are nodes of their own); dW_i = dy_iᵀ x and dbias_i = Σ dy_i only when asked (the
+    frozen bases of LoRA ask for neither); u, dA, dB from :func:`_branch_grads`."""
+    x, up, t, a_cat, *rest = ctx.saved_tensors
+    n = len(rest) // 2
+    half_bs, weights = rest[:n], rest[n:]
+    needs = ctx.needs_input_grad
+    result = [None] * (1 + 4 * MAX_SHARED + 4)
+    with torch.autocast(t.device.type, enabled=False):
+        rows = _branch_input(ctx, x, up)
+        dys = [None if dy is None else as_rows(dy) for dy in grads[:n]]
+        u, grad_as, grad_bs = _branch_grads(ctx, dys, rows, t, half_bs, [needs[3 + 4 * i] for i in range(n)],
+                                            [needs[4 + 4 * i] for i in range(n)])
+        for i, dy in enumerate(dys):
+            result[3 + 4 * i], result[4 + 4 * i] = grad_as[i], grad_bs[i]
+            if dy is not None and needs[1 + 4 * i]:
+                result[1 + 4 * i] = dy.t() @ rows
+            if dy is not None and needs[2 + 4 * i]:
+                result[2 + 4 * i] = dy.sum(0)
+        if needs[0]:
+            dx = u @ a_cat
+            for dy, weight in zip(dys, weights):
+                if dy is not None:
+                    dx.addmm_(dy, weight)
+            result[0] = dx.view(ctx.x_shape)
+    return tuple(result)
+
+
+LORA_LINEAR = FusedOp("lora_linear", _lora_linear_impl, fake=_lora_linear_fake, setup_context=_setup_lora_linear,
+                      backward=_backward_lora_linear)
+
+
 # ----------------------------------------------------------------------------------- public API
+def _check_adapters(x: Tensor, bases: str, widths: Sequence[int], lora_as: Sequence[Tensor],
+                    lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[float]:
+    """x, and per projection (``widths``: its N) A [r, K] and B [N, r] in one dtype on x's device; the scalings as
+    floats. ``bases`` names the base argument in the count error."""
+    check_tensor("x", x)
+    if not 1 <= len(widths) <= MAX_SHARED or not len(widths) == len(lora_as) == len(lora_bs) == len(scalings):
+        raise ValueError(f"{bases}, lora_as, lora_bs and scalings must have one entry per projection (1 to "
+                         f"{MAX_SHARED}), got {len(widths)}, {len(lora_as)}, {len(lora_bs)}, {len(scalings)}")
+    in_features = x.shape[-1]
+    for i, (width, a, b) in enumerate(zip(widths, lora_as, lora_bs)):
+        check_tensor(f"lora_as[{i}]", a, rank=2)
+        check_tensor(f"lora_bs[{i}]", b, rank=2)
+        if a.shape[1] != in_features or b.shape != (width, a.shape[0]) or a.shape[0] == 0:
+            raise ValueError(f"lora_as[{i}] must be [r, {in_features}] and lora_bs[{i}] [{width}, r] with "
+                             f"r >= 1, got {tuple(a.shape)} and {tuple(b.shape)}")
+        if b.dtype != a.dtype:
+            raise TypeError(f"lora_bs[{i}] has dtype {b.dtype} but lora_as[{i}] has dtype {a.dtype}")
+        check_same_device("x", x, **{f"lora_as[{i}]": a, f"lora_bs[{i}]": b})
+    return [check_real(f"scalings[{i}]", s) for i, s in enumerate(scalings)]
+
+
 def _check(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
            scalings: Sequence[float]) -> list[float]:
     check_tensor("x", x)
-    if not 1 <= len(base_outs) <= MAX_SHARED or not len(base_outs) == len(lora_as) == len(lora_bs) == len(scalings):
-        raise ValueError(f"base_outs, lora_as, lora_bs and scalings must have one entry per projection (1 to "
-                         f"{MAX_SHARED}), got {len(base_outs)}, {len(lora_as)}, {len(lora_bs)}, {len(scalings)}")
-    in_features = x.shape[-1]
-    for i, (base, a, b) in enumerate(zip(base_outs, lora_as, lora_bs)):
+    for i, base in enumerate(base_outs):
         check_tensor(f"base_outs[{i}]", base)
-        check_tensor(f"lora_as[{i}]", a, rank=2)
-        check_tensor(f"lora_bs[{i}]", b, rank=2)
         if base.shape[:-1] != x.shape[:-1]:
             raise ValueError(f"base_outs[{i}] has shape {tuple(base.shape)} but x has shape {tuple(x.shape)}: "
                              "their leading dimensions must agree")
-        if a.shape[1] != in_features or b.shape != (base.shape[-1], a.shape[0]) or a.shape[0] == 0:
-            raise ValueError(f"lora_as[{i}] must be [r, {in_features}] and lora_bs[{i}] [{base.shape[-1]}, r] with "
-                             f"r >= 1, got {tuple(a.shape)} and {tuple(b.shape)}")
-        if base.dtype != x.dtype:
-            raise TypeError(f"base_outs[{i}] has dtype {base.dtype} but x has dtype {x.dtype}")
-        if b.dtype != a.dtype:
-            raise TypeError(f"lora_bs[{i}] has dtype {b.dtype} but lora_as[{i}] has dtype {a.dtype}")
-        check_same_device("x", x, **{f"base_outs[{i}]": base, f"lora_as[{i}]": a, f"lora_bs[{i}]": b})
-    return [check_real(f"scalings[{i}]", s) for i, s in enumerate(scalings)]
+    scalings = _check_adapters(x, "base_outs", [base.shape[-1] for base in base_outs], lora_as, lora_bs, scalings)
+    for i, base in enumerate(base_outs):
+        check_same("x", x, **{f"base_outs[{i}]": base})
+    return scalings
+
+
+def _check_linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], lora_as: Sequence[Tensor],
+                   lora_bs: Sequence[Tensor], scalings: Sequence[float]) -> list[float]:
+    check_tensor("x", x)
+    if len(biases) != len(weights):
+        raise ValueError(f"biases must have one entry (a tensor or None) per weight, got {len(biases)} for "
+                         f"{len(weights)} weights")
+    for i, (weight, bias) in enumerate(zip(weights, biases)):
+        check_tensor(f"weights[{i}]", weight, rank=2)
+        if weight.shape[1] != x.shape[-1]:
+            raise ValueError(f"weights[{i}] must be [N, {x.shape[-1]}] (x's last dimension), got "
+                             f"{tuple(weight.shape)}")
+        if bias is not None and check_tensor(f"biases[{i}]", bias).shape != weight.shape[:1]:
+            raise ValueError(f"biases[{i}] must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    scalings = _check_adapters(x, "weights", [weight.shape[0] for weight in weights], lora_as, lora_bs, scalings)
+    for i, (weight, bias) in enumerate(zip(weights, biases)):
+        check_same("x", x, **{f"weights[{i}]": weight, f"biases[{i}]": bias})
+    return scalings
 
 
 def lora_add_shared(x: Tensor, base_outs: Sequence[Tensor], lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor],
@@ -260,3 +390,54 @@ def lora_add(x: Tensor, base_out: Tensor, lora_a: Tensor, lora_b: Tensor, scalin
         [..., N] in x's dtype.
     """
     return lora_add_shared(x, [base_out], [lora_a], [lora_b], [scaling], glu_inputs=glu_inputs)[0]
+
+
+def lora_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                          scaling: float) -> Tensor:
+    """PEFT's LoRA linear: its ``nn.Linear`` base, ``F.linear(x, weight, bias)``, plus the branch as
+    :func:`lora_add_reference` adds it. Shapes as :func:`lora_linear`."""
+    return lora_add_reference(x, F.linear(x, weight, bias), lora_a, lora_b, scaling)
+
+
+def lora_linear_shared(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None],
+                       lora_as: Sequence[Tensor], lora_bs: Sequence[Tensor], scalings: Sequence[float], *,
+                       glu_inputs: tuple[Tensor, Tensor | None, str] | None = None) -> list[Tensor]:
+    """:func:`lora_linear` for up to three projections of the same input (q/k/v, gate/up): x is read once for the
+    branches, and backward sums the group's input gradient, u A'_cat + Σ dy_i W_i, in one buffer.
+
+    Args:
+        x: [..., K], fp32/fp16/bf16 (any float dtype on the reference path).
+        weights: per projection its base ``nn.Linear``'s weight W_i [N_i, K], in x's dtype (read in place).
+        biases: per projection its bias [N_i] in x's dtype, or None.
+        lora_as, lora_bs, scalings, glu_inputs: as :func:`lora_add_shared`'s.
+
+    Returns:
+        per projection ``x W_iᵀ + bias_i + scaling_i * (x A_iᵀ) B_iᵀ`` [..., N_i] in x's dtype. Gradients flow to x,
+        A and B, and to a weight or bias that requires them (LoRA's frozen bases do not).
+    """
+    scalings = _check_linears(x, weights, biases, lora_as, lora_bs, scalings)
+    gate, up, activation = _check_glu_inputs(x, glu_inputs)
+    if not runs_triton(x):
+        return [lora_linear_reference(x, *args) for args in zip(weights, biases, lora_as, lora_bs, scalings)]
+    flat = [tensor for projection in zip(weights, biases, lora_as, lora_bs) for tensor in projection]
+    flat += [None] * (4 * MAX_SHARED - len(flat))
+    return LORA_LINEAR(x, *flat, gate, up, scalings, activation)[:len(weights)]
+
+
+def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float, *,
+                glu_inputs: tuple[Tensor, Tensor | None, str] | None = None) -> Tensor:
+    """A PEFT LoRA linear layer's output, base included: ``x Wᵀ + bias + scaling * (x Aᵀ) Bᵀ``. The base GEMM is
+    cuBLAS's on the layer's own weight (no copy); the branch is :func:`lora_add`'s, added into the base's output in
+    place; backward adds the branch's input gradient into the base's in the same buffer.
+
+    Args:
+        x: [..., K] the layer's input, fp32/fp16/bf16 (any float dtype on the reference path).
+        weight: [N, K] the base linear's weight, in x's dtype; bias: [N] in x's dtype, or None.
+        lora_a: A [r, K]; lora_b: B [N, r], in one float dtype (fp32 as PEFT keeps them, or x's).
+        scaling: a Python float (alpha / r; alpha / sqrt(r) for rsLoRA).
+        glu_inputs: as :func:`lora_add_shared`'s (the down projection: x recomputed in backward).
+
+    Returns:
+        [..., N] in x's dtype.
+    """
+    return lora_linear_shared(x, [weight], [bias], [lora_a], [lora_b], [scaling], glu_inputs=glu_inputs)[0]

@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from fuselm.backend import runs_triton
+from fuselm.ops._common import is_dtensor
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
-from fuselm.ops.lora import lora_add, lora_add_reference, lora_add_shared
+from fuselm.ops.lora import lora_add, lora_add_reference, lora_add_shared, lora_linear, lora_linear_shared
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.rope import rope
 from fuselm.patching.quantized import nf4_group_outputs, takes_nf4_group
@@ -349,12 +350,26 @@ def _base_outputs(layers: list[nn.Module], x: Tensor) -> list[Tensor]:
     return [base(x) for base in bases]
 
 
+def _frozen_linear(base: nn.Module, x: Tensor) -> bool:
+    """Whether ``base`` is a plain ``nn.Linear`` that ``lora_linear`` may compute instead of calling it: no hook, a
+    frozen weight (and bias) in x's dtype, plain tensors (not an FSDP2 shard)."""
+    weight, bias = base.weight, base.bias
+    return (type(base) is nn.Linear and not hooked(base) and not weight.requires_grad and weight.dtype == x.dtype
+            and not is_dtensor(weight) and (bias is None or (not bias.requires_grad and bias.dtype == x.dtype)))
+
+
 def _lora_outputs(layers: list[nn.Module], adapters: list[tuple[Tensor, Tensor, float]], x: Tensor) -> list[Tensor]:
-    """The layers' outputs for x: their base layers' outputs plus their branches in one ``lora_add_shared``."""
+    """The layers' outputs for x: frozen ``nn.Linear`` bases and their branches in one ``lora_linear_shared`` (whose
+    backward sums x's gradient in one buffer), else their base layers' outputs plus their branches in one
+    ``lora_add_shared``."""
+    lora_as, lora_bs, scalings = zip(*adapters)
+    bases = [layer.base_layer for layer in layers]
+    if all(_frozen_linear(base, x) for base in bases):
+        return lora_linear_shared(x, [base.weight for base in bases], [base.bias for base in bases], lora_as,
+                                  lora_bs, scalings)
     base_outs = _base_outputs(layers, x)
     if any(out.dtype != x.dtype for out in base_outs):  # a base layer that returns another dtype: PEFT's arithmetic
         return [lora_add_reference(x, out, *adapter) for out, adapter in zip(base_outs, adapters)]
-    lora_as, lora_bs, scalings = zip(*adapters)
     return lora_add_shared(x, base_outs, lora_as, lora_bs, scalings)
 
 
@@ -371,6 +386,9 @@ def down_projection(layer: nn.Module, hidden: Tensor, gate: Tensor, up: Tensor |
     adapter = lora_call_args(layer, hidden) if isinstance(layer, FusedLoraLinear) and not hooked(layer) else None
     if adapter is None or hidden.dtype != gate.dtype or (up is not None and up.dtype != gate.dtype):
         return layer(hidden)
+    if _frozen_linear(layer.base_layer, hidden):
+        base = layer.base_layer
+        return lora_linear(hidden, base.weight, base.bias, *adapter, glu_inputs=(gate, up, activation))
     (base_out,) = _base_outputs([layer], hidden)
     if base_out.dtype != hidden.dtype:
         return lora_add_reference(hidden, base_out, *adapter)

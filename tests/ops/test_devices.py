@@ -60,6 +60,16 @@ def _cases(device: str) -> dict:
             lambda x, base_outs, lora_as, lora_bs: fuselm.lora_add_shared(x, [base_outs], [lora_as], [lora_bs], [0.5]),
             {"x": r(3, 24), "base_outs": r(3, 40), "lora_as": r(4, 24), "lora_bs": r(40, 4)},
             ("x", "base_outs", "lora_as", "lora_bs")),
+        "lora_linear": (
+            lambda x, weights, biases, lora_as, lora_bs: fuselm.lora_linear(x, weights, biases, lora_as, lora_bs, 0.5),
+            {"x": r(3, 24), "weights": r(40, 24), "biases": r(40), "lora_as": r(4, 24), "lora_bs": r(40, 4)},
+            ("x", "weights", "biases", "lora_as", "lora_bs")),
+        "lora_linear_shared": (
+            lambda x, weights, biases, lora_as, lora_bs: fuselm.lora_linear_shared(x, [weights, weights[:8]],
+                                                                                  [biases, None], [lora_as] * 2,
+                                                                                  [lora_bs, lora_bs[:8]], [0.5, 2.0]),
+            {"x": r(3, 24), "weights": r(40, 24), "biases": r(40), "lora_as": r(4, 24), "lora_bs": r(40, 4)},
+            ("x", "weights", "biases", "lora_as", "lora_bs")),
     }
 
 

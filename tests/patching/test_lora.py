@@ -25,18 +25,21 @@ def peft_model(targets=None, dtype=torch.float32, name="llama", **lora_options):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Per ``fuselm::lora_add`` call, the number of projections it computed, or "glu" for a down projection whose
-    input backward recomputes from the GLU's."""
+    """Per ``fuselm::lora_add`` or ``fuselm::lora_linear`` call, the number of projections it computed, or "glu" for
+    a down projection whose input backward recomputes from the GLU's."""
     calls = []
-    original = lora_op.LORA_ADD
 
-    def counting(x, *args):
-        projections = sum(arg is not None for arg in args[:3 * lora_op.MAX_SHARED]) // 3
-        glu_gate = args[3 * lora_op.MAX_SHARED]
-        calls.append("glu" if glu_gate is not None else projections)
-        return original(x, *args)
+    def counting(op, per_projection):
+        def call(x, *args):
+            projections = sum(arg is not None for arg in args[:per_projection * lora_op.MAX_SHARED:per_projection])
+            glu_gate = args[per_projection * lora_op.MAX_SHARED]
+            calls.append("glu" if glu_gate is not None else projections)
+            return op(x, *args)
 
-    monkeypatch.setattr(lora_op, "LORA_ADD", counting)
+        return call
+
+    monkeypatch.setattr(lora_op, "LORA_ADD", counting(lora_op.LORA_ADD, 3))
+    monkeypatch.setattr(lora_op, "LORA_LINEAR", counting(lora_op.LORA_LINEAR, 4))
     return calls
 
 
@@ -81,6 +84,29 @@ def test_fused_lora_matches_peft(path, case, fused_calls):
     # two forwards (logits, then the loss), two layers; the reference backend runs PEFT's own forward
     assert fused_calls == (per_layer * 4 if path == "triton" else [])
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n), "the base must stay frozen"
+
+
+def test_frozen_linear_bases_run_inside_lora_linear_and_a_trainable_base_is_called(monkeypatch):
+    """Frozen ``nn.Linear`` bases are computed by ``fuselm::lora_linear`` (x's gradient summed in its GEMMs); a base
+    whose weight trains (unfrozen by the user) is called as PEFT calls it, its group then runs ``lora_add``, and its
+    weight's gradient is PEFT's."""
+    ops = []
+    for name in ("LORA_ADD", "LORA_LINEAR"):
+        op = getattr(lora_op, name)
+        monkeypatch.setattr(lora_op, name, lambda *args, op=op, name=name: ops.append(name) or op(*args))
+    model = peft_model(ALL_LINEARS)
+    first_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    first_q.weight.requires_grad_(True)
+    ids = token_ids()
+    expected = trainable_grads(model, ids)
+    fuselm.patch(model)
+    with fuselm.use_backend("triton"):
+        got = trainable_grads(model, ids)
+    assert_matches_peft(got, expected)
+    assert any("self_attn.q_proj.base_layer.weight" in name for name in got[1])
+    # per forward: layer 0's q/k/v group through lora_add, everything else through lora_linear (two forwards)
+    per_forward = ["LORA_ADD", *["LORA_LINEAR"] * 3, *["LORA_LINEAR"] * 4]
+    assert ops == per_forward * 2
 
 
 def test_a_fused_lora_step_never_reads_device_values_back(path, fused_calls):
