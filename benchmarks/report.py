@@ -198,6 +198,7 @@ def train_step_section(results: dict) -> list[str]:
                      + " | ".join(_step_cell(found.get(impl)) for impl in TRAIN_IMPLS) + f" | {ratio} | {target} |")
     formula = next((r["formula"] for r in measured if "formula" in r), None)
     lines += ["", f"{formula}; each impl in its own process."] if formula else []
+    lines += [f"Note: {note}" for note in results.get("train_notes", [])]
     for row in rows:
         reason = row.get("skipped") or row.get("error")
         if reason:
