@@ -484,6 +484,7 @@ def main() -> None:
         out += train_step_section(e2e) + [""]
     for name, title in (("lora-profile-h200.json", "LoRA step"), ("qlora-profile-h200.json", "QLoRA step"),
                         ("lora-host-3aba5bb-h200.json", "LoRA step, host view, before session 5's launch cuts"),
+                        ("lora-host-e28c4ac-h200.json", "LoRA step, host view, before lora_linear"),
                         ("lora-host-h200.json", "LoRA step, host view"),
                         ("qlora-host-3aba5bb-h200.json", "QLoRA step, host view, before session 5's launch cuts"),
                         ("qlora-host-before-scales-h200.json", "QLoRA step, host view, scales dequantised per call"),
