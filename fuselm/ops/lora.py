@@ -132,18 +132,22 @@ def _lora_add_fake(x, base0, a0, b0, base1, a1, b1, base2, a2, b2, gate, up, sca
             + [b.new_empty(b.shape, dtype=x.dtype) for _, _, b in projections])
 
 
-def _setup_lora_add(ctx, inputs, output):
-    x, *flat, gate, up, scalings, activation = inputs
-    projections = _projections(tuple(flat))
-    internals = output[len(projections):]  # t', A'_cat and the Bs
+def _save_for_branch(ctx, inputs, output, adapters: list[Tensor], weights: tuple[Tensor, ...] = ()) -> None:
+    """What both ops' backward needs: x (or the GLU's inputs it is made from, which the GLU's own backward keeps
+    anyway), t', A'_cat and the Bs (``output`` after the projections), then ``weights``; the adapters' dtypes."""
+    x, *_, gate, up, scalings, activation = inputs
+    internals = output[len(adapters):]  # t', A'_cat and the Bs
     ctx.mark_non_differentiable(*internals)
     ctx.set_materialize_grads(False)  # an output nobody used (t, or a projection) gets None, not zeros
-    # x, or the GLU's inputs it is made from (which the GLU's own backward keeps anyway)
     kept = (x, None) if gate is None else (gate, up)
-    ctx.save_for_backward(*kept, *internals)
-    ctx.adapter_dtypes = [a.dtype for _, a, _ in projections]
+    ctx.save_for_backward(*kept, *internals, *weights)
+    ctx.adapter_dtypes = [a.dtype for a in adapters]
     ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
     ctx.x_shape = x.shape
+
+
+def _setup_lora_add(ctx, inputs, output):
+    _save_for_branch(ctx, inputs, output, [a for _, a, _ in _projections(tuple(inputs[1:-4]))])
 
 
 def _branch_grads(ctx, dys: list[Tensor | None], rows: Tensor, t: Tensor, half_bs: list[Tensor],
@@ -170,30 +174,36 @@ def _branch_grads(ctx, dys: list[Tensor | None], rows: Tensor, t: Tensor, half_b
     return u, grad_as, grad_bs
 
 
-def _branch_input(ctx, x: Tensor, up: Tensor | None) -> Tensor:
-    """The branch's input x as [M, K] rows: saved as is, or (``ctx.recompute``) made again from the GLU's inputs."""
+def _branch_backward(ctx, saved: tuple[Tensor, ...], grads, stride: int, a_at: int
+                     ) -> tuple[Tensor, list[Tensor | None], Tensor, list[Tensor | None], list[Tensor | None]]:
+    """Both ops' shared backward, from their ``saved`` tensors (:func:`_save_for_branch`): x as [M, K] rows (kept,
+    or made again from the GLU's inputs), the projections' output gradients as rows, and u, dA, dB from
+    :func:`_branch_grads`. Projection i's A and B are inputs ``a_at + stride * i`` and the one after it."""
+    x, up, t, _, *rest = saved
+    n = len(ctx.adapter_dtypes)
     if ctx.recompute:
         with torch.no_grad():
             x = GATED[ctx.activation](x, up)
-    return as_rows(x)
+    rows = as_rows(x)
+    dys = [None if dy is None else as_rows(dy) for dy in grads[:n]]
+    needs = ctx.needs_input_grad
+    u, grad_as, grad_bs = _branch_grads(ctx, dys, rows, t, rest[:n], [needs[a_at + stride * i] for i in range(n)],
+                                        [needs[a_at + 1 + stride * i] for i in range(n)])
+    return rows, dys, u, grad_as, grad_bs
 
 
 def _backward_lora_add(ctx, grads):
     """dx = u A'_cat (the branch's part; the base outputs' gradients pass through), with u, dA, dB from
     :func:`_branch_grads`."""
-    x, up, t, a_cat, *half_bs = ctx.saved_tensors
-    needs, n = ctx.needs_input_grad, len(half_bs)
+    needs, n, saved = ctx.needs_input_grad, len(ctx.adapter_dtypes), ctx.saved_tensors
     result = [None] * (1 + 3 * MAX_SHARED + 4)
-    with torch.autocast(t.device.type, enabled=False):
-        rows = _branch_input(ctx, x, up)
-        dys = [None if dy is None else as_rows(dy) for dy in grads[:n]]
-        u, grad_as, grad_bs = _branch_grads(ctx, dys, rows, t, half_bs, [needs[2 + 3 * i] for i in range(n)],
-                                            [needs[3 + 3 * i] for i in range(n)])
+    with torch.autocast(saved[2].device.type, enabled=False):
+        _, _, u, grad_as, grad_bs = _branch_backward(ctx, saved, grads, 3, 2)
         for i in range(n):
             result[1 + 3 * i] = grads[i] if needs[1 + 3 * i] else None
             result[2 + 3 * i], result[3 + 3 * i] = grad_as[i], grad_bs[i]
         if needs[0]:
-            result[0] = (u @ a_cat).view(ctx.x_shape)
+            result[0] = (u @ saved[3]).view(ctx.x_shape)
     return tuple(result)
 
 
@@ -233,32 +243,19 @@ def _lora_linear_fake(x, w0, bias0, a0, b0, w1, bias1, a1, b1, w2, bias2, a2, b2
 
 
 def _setup_lora_linear(ctx, inputs, output):
-    x, *flat, gate, up, scalings, activation = inputs
-    linears = _linears(tuple(flat))
-    internals = output[len(linears):]
-    ctx.mark_non_differentiable(*internals)
-    ctx.set_materialize_grads(False)
-    kept = (x, None) if gate is None else (gate, up)
-    ctx.save_for_backward(*kept, *internals, *(w for w, _, _, _ in linears))
-    ctx.adapter_dtypes = [a.dtype for _, _, a, _ in linears]
-    ctx.scalings, ctx.activation, ctx.recompute = scalings, activation, gate is not None
-    ctx.x_shape = x.shape
+    linears = _linears(tuple(inputs[1:-4]))
+    _save_for_branch(ctx, inputs, output, [a for _, _, a, _ in linears], tuple(w for w, _, _, _ in linears))
 
 
 def _backward_lora_linear(ctx, grads):
     """dx = u A'_cat + Σ_i dy_i W_i, accumulated in one buffer by addmm (no separate add per projection, as autograd
     makes when the base layers are nodes of their own); dW_i = dy_iᵀ x and dbias_i = Σ dy_i only when asked (the
     frozen bases of LoRA ask for neither); u, dA, dB from :func:`_branch_grads`."""
-    x, up, t, a_cat, *rest = ctx.saved_tensors
-    n = len(rest) // 2
-    half_bs, weights = rest[:n], rest[n:]
-    needs = ctx.needs_input_grad
+    needs, n, saved = ctx.needs_input_grad, len(ctx.adapter_dtypes), ctx.saved_tensors
+    a_cat, weights = saved[3], saved[4 + n:]
     result = [None] * (1 + 4 * MAX_SHARED + 4)
-    with torch.autocast(t.device.type, enabled=False):
-        rows = _branch_input(ctx, x, up)
-        dys = [None if dy is None else as_rows(dy) for dy in grads[:n]]
-        u, grad_as, grad_bs = _branch_grads(ctx, dys, rows, t, half_bs, [needs[3 + 4 * i] for i in range(n)],
-                                            [needs[4 + 4 * i] for i in range(n)])
+    with torch.autocast(a_cat.device.type, enabled=False):
+        rows, dys, u, grad_as, grad_bs = _branch_backward(ctx, saved, grads, 4, 3)
         for i, dy in enumerate(dys):
             result[3 + 4 * i], result[4 + 4 * i] = grad_as[i], grad_bs[i]
             if dy is not None and needs[1 + 4 * i]:
