@@ -16,7 +16,7 @@ cache rows written); GB/s = bytes / time, against the copy bandwidth measured in
 
 The streaming kernels are timed at every M whatever the dispatch thresholds say, by calling their ``fuselm::`` ops
 (decode_linear.QKV_ROPE, NORM_GATED_LINEAR, LINEAR_RESIDUAL) directly, so one run gives the numbers that set them:
-the fused norm ops both ways (norm in the kernel's prologue, every program recomputing each row's rstd, against
+the fused norm ops both ways (norm in the kernel's prologue, each row's rstd summed from the operand tiles, against
 fuselm.rms_norm first: GATED_/QKV_PROLOGUE_NORM_MAX_ROWS) and linear_residual's kernel against cuBLAS addmm
 (LINEAR_RESIDUAL_MAX_ROWS), next to what the public op dispatches to.
 
@@ -227,10 +227,9 @@ def rows(copy_gbps: float, *, smoke: bool = False, ms: tuple[int, ...] = ROWS) -
 
 
 def settings(smoke: bool = False) -> dict:
-    """What the rows ran with: shapes, the dispatch thresholds, the rstd tiling, the configs the autotuner chose."""
+    """What the rows ran with: shapes, the dispatch thresholds, the configs the autotuner chose."""
     return {"shapes": vars(SMOKE if smoke else LLAMA3_8B),
             "gated_prologue_norm_max_rows": decode_linear.GATED_PROLOGUE_NORM_MAX_ROWS,
             "qkv_prologue_norm_max_rows": decode_linear.QKV_PROLOGUE_NORM_MAX_ROWS,
             "linear_residual_max_rows": decode_linear.LINEAR_RESIDUAL_MAX_ROWS,
-            "norm_tile": decode_linear.NORM_TILE, "norm_max_unroll": decode_linear.NORM_MAX_UNROLL,
             "tuned_configs": tuned_configs()}

@@ -336,9 +336,9 @@ class FusedKVCache(StaticCache):
     def advance(self, num_tokens: int) -> None:
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
         Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32."""
+        self.step_slots = self._ends.unsqueeze(1) + self._offsets[:num_tokens]  # before the add: 2 kernels, not 3
         self._ends.add_(num_tokens)
         self._host.advance(num_tokens)
-        self.step_slots = self._ends.unsqueeze(1) - num_tokens + self._offsets[:num_tokens]
         self._refresh_mirrors()
 
     def open_step(self, num_tokens: int, position_ids: Tensor | None = None) -> None:

@@ -14,14 +14,17 @@ Two paths on the GPU, picked by M = rows of x (B * T):
 - M <= ``MAX_STREAMING_ROWS`` (decode; for linear_residual the narrower bounds where it beats cuBLAS, see
   ``LINEAR_RESIDUAL_MAX_ROWS``): one weight-streaming Triton kernel per op. A program owns a block of
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
-  so the weights cross HBM once; the norm runs in the prologue (on each x tile before the dot) and bias,
-  residual, activation, head norm, RoPE and the cache write in the epilogue. linear_residual and qkv_rope also
+  so the weights cross HBM once; the norm runs in the prologue (each x tile times the norm weight is the
+  operand, the rows' rstd from the same tiles scales the accumulator) and bias, residual, activation, head norm,
+  RoPE and the cache write in the epilogue. linear_residual and qkv_rope also
   have split-K configs (the autotuner's choice): SPLIT_K programs share a column block, each over a chunk of K,
   and the last to finish sums their fp32 partials in split order and runs the epilogue, in the same launch.
 - larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
 
-Rounding points (those of the existing ops and of HF): the normed x is rounded to x's dtype (the GEMM operand,
-as :func:`fuselm.rms_norm` gives it), a projection is accumulated in fp32 with its bias and rounded once,
+Rounding points (those of the existing ops and of HF, but one): the GEMM operand of a normed projection is
+rounded to x's dtype once, as x * norm weight on the streaming path (the rstd multiplies the fp32 accumulator)
+and as :func:`fuselm.rms_norm` gives it on the others (HF rounds x * rstd, then that times the weight: the same
+rounding error, in another place); a projection is accumulated in fp32 with its bias and rounded once,
 ``linear_residual`` adds the residual before that one rounding (``torch.addmm(residual, x, W.T)``), the gated
 activation reads the rounded gate and up (as :func:`fuselm.silu_mul`), a head norm reads the rounded projection
 and is rounded (as :func:`fuselm.rms_norm`), RoPE reads that and is rounded once (as :func:`fuselm.rope`).
@@ -64,17 +67,17 @@ MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernel
 # 13.7 vs 16.9 at M = 1, 14.8 vs 17.8 at 32, 16.5 vs 15.9 at 64; down 14336 -> 4096 36.7 vs 39.8 at M = 1, 38.5 vs
 # 41.1 at 32, 45.8 vs 43.4 at 64. So M <= 32, any K.
 LINEAR_RESIDUAL_MAX_ROWS = 32
-# Norm in the prologue means every program computes the rstd of every x row: it re-reads x (M x K) from L2 once
-# per program, cheap for a few rows, growing with M (M = 64, K = 4096 over 448 gate/up programs: ~230 MB of L2
-# reads against 117 MB of weights). Above this many rows the norm runs first as fuselm.rms_norm (one more launch,
-# M x K written and read back) and the streaming kernel reads the normed x. benchmarks/decode_linear_bench.py
-# times both at every M (rows "fused, norm in prologue" and "fused, rms_norm first"). Measured on the H200 (us,
-# prologue vs rms_norm first, both including the norm): norm_gated_linear 65.2 vs 65.8 at M = 1, 68.2 vs 65.5 at 8,
-# 77.9 vs 66.3 at 16; qkv_rope alone 30.3 vs 21.6 at M = 1, 34.9 vs 22.2 at 8. Inside a whole layer step at B = 1,
-# though, the prologue for both measured 148.1 us against 150.9 with qkv_rope's norm run first (benchmarks/NOTES.md):
-# so the prologue at M = 1 for both, the norm first above.
-GATED_PROLOGUE_NORM_MAX_ROWS = 1
-QKV_PROLOGUE_NORM_MAX_ROWS = 1
+# Norm in the prologue: the operand is x * norm weight, and each row's rstd, summed from the same x tiles the dot
+# reads, scales the fp32 accumulator after the loop, so the norm adds no pass over x and no launch. Up to this many
+# rows it runs there; above, the norm runs first as fuselm.rms_norm (one more launch, M x K written and read back).
+# benchmarks/decode_linear_bench.py times both at every M (rows "fused, norm in prologue" and "fused, rms_norm
+# first"). On the H200 (us, prologue vs rms_norm first, both including the norm; CUDA-graph replays): qkv_rope 19.3
+# vs 21.5 at M = 1, 19.7 vs 22.1 at 8, 23.4 vs 24.1 at 32, 47.8 vs 25.5 at 64; norm_gated_linear 64.6 vs 65.2 at 1,
+# 65.2 vs 65.2 at 8, 68.8 vs 68.6 at 32, 75.2 vs 70.1 at 64 (BLOCK_M = 64 tiles: the fp32 x tile for the squares
+# costs registers). So the prologue up to 32 rows, which also spares the layer step a launch per norm. fp16 always
+# runs the norm first: x * weight before the rstd can leave fp16's range (bf16 has fp32's).
+GATED_PROLOGUE_NORM_MAX_ROWS = 32
+QKV_PROLOGUE_NORM_MAX_ROWS = 32
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
@@ -162,42 +165,29 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
-def _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-              NORM_UNROLL: tl.constexpr):
-    """fp32 rstd of each x row, as [BLOCK_M] (rows: tl.arange(0, BLOCK_M)), from one pass over the M x K rows.
+def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
 
-    Latency, not bandwidth, bounds this pass (a K = 4096 row is 8 KB, from L2): it reads only the NORM_ROWS =
-    next_pow2(M) real rows, not the padding up to BLOCK_M, in [NORM_ROWS, NORM_BLOCK] tiles, NORM_UNROLL
-    independent tiles per loop step so their loads issue back to back (see NORM_TILE for the step counts)."""
-    norm_rows = tl.arange(0, NORM_ROWS).to(tl.int64)
-    row_base = (x_ptr + norm_rows * stride_xm)[:, None]
-    norm_row_ok = (norm_rows < n_rows)[:, None]
-    sum_of_squares = tl.zeros([NORM_ROWS], dtype=tl.float32)
-    for start in range(0, n_inner, NORM_BLOCK * NORM_UNROLL):
-        for chunk in tl.static_range(NORM_UNROLL):
-            cols = start + chunk * NORM_BLOCK + tl.arange(0, NORM_BLOCK)
-            x = tl.load(row_base + cols[None, :], mask=norm_row_ok & (cols[None, :] < n_inner), other=0.0)
-            sum_of_squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
-    rstd = tl.rsqrt(sum_of_squares / n_inner + eps)
-    if NORM_ROWS == rows.shape[0]:
-        return rstd
-    # row r < NORM_ROWS gets rstd[r] (a sum of it and zeros: exact), the padding rows past NORM_ROWS get 0
-    return tl.sum(tl.where(rows[:, None] == norm_rows[None, :], rstd[None, :], 0.0), axis=1)
-
-
-@triton.jit
-def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, rstd, offset,
-                  HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] tile of the GEMM operand at columns cols: x, or norm(x) rounded as rms_norm rounds."""
+    Without a norm: x, and the sum unchanged. With one: x * (norm weight + offset) rounded once to the operand
+    dtype, and the sum plus this tile's squares; RMSNorm's per-row factor rstd commutes with the dot, so
+    :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                 mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
     if HAS_NORM:
-        normed = x.to(tl.float32) * rstd[:, None]
-        if CAST_NORMED:
-            normed = _cast(normed, x.dtype).to(tl.float32)
+        x = x.to(tl.float32)
+        sum_of_squares += tl.sum(x * x, axis=1)
         weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
-        return _cast(normed * weight[None, :], OPERAND_DTYPE)
-    return x.to(OPERAND_DTYPE)
+        return _cast(x * weight[None, :], OPERAND_DTYPE), sum_of_squares
+    return x.to(OPERAND_DTYPE), sum_of_squares
+
+
+@triton.jit
+def _scale_by_rstd(acc, sum_of_squares, n_inner, eps, HAS_NORM: tl.constexpr):
+    """acc [BLOCK_M, *] times each row's rstd = rsqrt(mean of squares + eps) (acc unchanged without a norm)."""
+    if HAS_NORM:
+        return acc * tl.rsqrt(sum_of_squares / n_inner + eps)[:, None]
+    return acc
 
 
 @triton.jit
@@ -306,8 +296,8 @@ def _linear_residual_kernel(
     wait_for_previous_kernel(DEPENDENT)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
-        x = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False, False,
-                          w_ptr.dtype.element_ty)
+        x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
+                             w_ptr.dtype.element_ty)
         acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
     let_next_kernel_launch(DEPENDENT)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -331,19 +321,18 @@ def _linear_residual_kernel(
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
-@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM", "NORM_ROWS"])
+@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM"])
 @triton.jit
 def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
-    HAS_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, ACTIVATION: tl.constexpr, NORM_ROWS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
-    # epilogue. With HAS_NORM it first reads x once for each row's rstd (M x K from L2, _row_rstd), then
-    # normalises each x tile before its dots. Writes M x BLOCK_N outputs.
+    # epilogue. Re-reads x (M x K, from L2) once; with HAS_NORM each x tile times the norm weight is the operand
+    # and the rows' rstd, summed from the same tiles, scales both accumulators after the loop. Writes M x BLOCK_N.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -351,18 +340,18 @@ def _norm_gated_kernel(
     _prefetch_weight_rows(gate_ptr, cols_n, col_ok, 0, stride_gn, n_inner, PREFETCH_LINES)
     _prefetch_weight_rows(up_ptr, cols_n, col_ok, 0, stride_un, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    rstd = 0.0
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
+    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
-        x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
-                          CAST_NORMED, gate_ptr.dtype.element_ty)
+        x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty)
         acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
         acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
     let_next_kernel_launch(DEPENDENT)
+    acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
+    acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
     out_dtype = out_ptr.dtype.element_ty
     gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
     activated, _ = _activation(gate, ACTIVATION)
@@ -461,26 +450,26 @@ def _finish_head(
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, norm_weight_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr,
-    cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, tickets_ptr,
-    n_rows, seq_len, n_inner, n_heads_q, n_heads_kv, head_dim, half, cache_len,
+    cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, partial_ptr, squares_partial_ptr,
+    tickets_ptr, n_rows, seq_len, n_inner, n_heads_q, n_heads_kv, head_dim, half, cache_len,
     stride_xm, stride_wq, stride_wk, stride_wv,
     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     eps, head_eps, offset,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
-    HAS_TAIL: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_UNROLL: tl.constexpr,
-    DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
     # in part 0, the tail columns. Streams those weight rows over the chunk once (D / SPLIT rows: every weight byte
-    # read by one program) and re-reads x (M x K) from L2. With SPLIT_K > 1 it writes its fp32 M x D / SPLIT partial
-    # and takes a ticket, and the last program of the part sums the SPLIT_K partials in split order (as
-    # _linear_residual_kernel does). That one runs bias, head norm, RoPE and the store in the epilogue: M x D / SPLIT
-    # elements to q_out or to the caches.
+    # read by one program) and re-reads x (M x K) from L2; with HAS_NORM its tiles' squares sum to each row's rstd,
+    # applied after the dot (_operand_tile). With SPLIT_K > 1 it writes its fp32 M x D / SPLIT partial (and its M
+    # partial sums of squares) and takes a ticket, and the last program of the part sums the SPLIT_K partials in split
+    # order (as _linear_residual_kernel does). That one runs rstd, bias, head norm, RoPE and the store in the
+    # epilogue: M x D / SPLIT elements to q_out or to the caches.
     slot, part = tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT
     kind, head, w_ptr, stride_w = _select_head(slot, n_heads_q, n_heads_kv, wq_ptr, wk_ptr, wv_ptr, stride_wq,
                                                stride_wk, stride_wv)
@@ -493,16 +482,14 @@ def _qkv_rope_kernel(
     _prefetch_weight_rows(w_ptr, rows_first, ok1, k_lo, stride_w, n_inner, PREFETCH_LINES)
     _prefetch_weight_rows(w_ptr, rows_second, ok1, k_lo, stride_w, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    rstd = 0.0
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, rows, n_rows, stride_xm, n_inner, eps, NORM_ROWS, NORM_BLOCK, NORM_UNROLL)
+    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
     acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
-        x = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner, rstd, offset, HAS_NORM,
-                          CAST_NORMED, wq_ptr.dtype.element_ty)
+        x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty)
         acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
@@ -517,6 +504,9 @@ def _qkv_rope_kernel(
         _store_partial(partial_ptr, acc2, rows, row_ok, columns + half + d1, ok1, n_rows, n_cols)
         if HAS_TAIL:
             _store_partial(partial_ptr, acc_tail, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols)
+        if HAS_NORM:  # [SPLIT_K, programs, M]: this program's row sums of squares over its chunk
+            tl.store(squares_partial_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * n_rows + rows,
+                     sum_of_squares, mask=row_ok)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases it
         ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         last = ticket == SPLIT_K - 1
@@ -528,11 +518,19 @@ def _qkv_rope_kernel(
             if HAS_TAIL:
                 acc_tail = _sum_split_partials(partial_ptr, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols,
                                                SPLIT_K, BLOCK_M, BLOCK_TAIL)
+            if HAS_NORM:
+                sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    sum_of_squares += tl.load(squares_partial_ptr + (split * tl.num_programs(0) + tl.program_id(0))
+                                              * n_rows + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
             tl.store(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
     if last:
         _qkv_rope_epilogue(
-            acc1, acc2, acc_tail, slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first, rows_second,
-            rows_tail, bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr,
+            _scale_by_rstd(acc1, sum_of_squares, n_inner, eps, HAS_NORM),
+            _scale_by_rstd(acc2, sum_of_squares, n_inner, eps, HAS_NORM),
+            _scale_by_rstd(acc_tail, sum_of_squares, n_inner, eps, HAS_NORM),
+            slot, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, rows_first, rows_second, rows_tail,
+            bq_ptr, bk_ptr, bv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr,
             k_cache_ptr, v_cache_ptr, n_heads_q, n_heads_kv, seq_len, head_dim, half, cache_len, head_eps, offset,
             stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
             stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
@@ -576,7 +574,7 @@ def _qkv_rope_epilogue(
         stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
 
 
-_QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM", "NORM_ROWS",
+_QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half", "HAS_NORM",
             "HAS_HEAD_NORM"]
 _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per head and SPLIT_K chunks of K spread a
     # projection over more SMs (SPLIT_K also for a head norm, which needs SPLIT = 1); (1, 64, 1, 4, 3) keeps whole
@@ -636,27 +634,6 @@ def _block_rows(n_rows: int) -> int:
     return max(16, triton.next_power_of_2(n_rows))
 
 
-# The prologue norm's rstd pass (_row_rstd) loads [NORM_ROWS, NORM_BLOCK] x tiles of NORM_TILE elements (64 a thread
-# at 4 warps), NORM_MAX_UNROLL of them per dependent step: K = 4096 takes 1 step up to M = 8, 2 at M = 16, 8 at
-# M = 64, where the old BLOCK_K-chunk loop took K / BLOCK_K = 16..64. Sized on ptxas -v for sm_90 at K = 4096 over
-# the 8 streaming configs and M = 1..64 (spills: 16 bytes in 1 case, 8 in 1, none in the other 38; the 32x128 config
-# went from 80 registers to 95 at M <= 8 and 128 at M = 16). Wider tiles or more unrolling cost registers, and
-# occupancy, at M >= 16.
-NORM_TILE = 8192
-NORM_MAX_UNROLL = 4
-
-
-def _norm_blocks(n_rows: int, n_inner: int, has_norm: bool) -> dict:
-    """The rstd pass's constexprs (NORM_ROWS = next_pow2(M) rows, NORM_BLOCK columns, NORM_UNROLL tiles a step);
-    fixed when there is no norm, so that variant compiles once."""
-    if not has_norm:
-        return {"NORM_ROWS": 1, "NORM_BLOCK": 16, "NORM_UNROLL": 1}
-    norm_rows = triton.next_power_of_2(n_rows)
-    norm_block = min(triton.next_power_of_2(n_inner), max(16, NORM_TILE // norm_rows))
-    return {"NORM_ROWS": norm_rows, "NORM_BLOCK": norm_block,
-            "NORM_UNROLL": min(NORM_MAX_UNROLL, triton.cdiv(n_inner, norm_block))}
-
-
 def _unit_stride(weight: Tensor) -> Tensor:
     return weight if weight.stride(-1) == 1 else weight.contiguous()
 
@@ -688,8 +665,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     _norm_gated_kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
-        HAS_NORM=norm_weight is not None, CAST_NORMED=casting == "llama", ACTIVATION=activation,
-        BLOCK_M=_block_rows(n_rows), **_norm_blocks(n_rows, n_inner, norm_weight is not None),
+        HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
         **dependent_launch(x.device, n_rows))
     return out
 
@@ -724,21 +700,22 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     has_head_norm = q_norm_weight is not None
     kernel = _qkv_rope_whole if has_head_norm else _qkv_rope_split
     slots = num_heads + 2 * num_kv_heads
-    # the split-K configs' workspace (static shape: every config fits it) and one ticket per (slot, part)
+    # the split-K configs' workspaces (static shapes: every config fits them) and one ticket per (slot, part)
     partials = new_output((MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
+    squares_partials = new_output((MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device)
     tickets = zeroed_counters(x.device, slots * _QKV_MAX_SPLIT)
     grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
     head_norms = [w.contiguous() if w is not None else x2 for w in (q_norm_weight, k_norm_weight)]
     kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, *weights, *biases, *head_norms,
-        cos, sin, cache_positions, q_out, k_cache, v_cache, partials, tickets,
+        cos, sin, cache_positions, q_out, k_cache, v_cache, partials, squares_partials, tickets,
         x2.shape[0], seq_len, x2.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2, cache_len,
         x2.stride(0), *(w.stride(0) for w in weights),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
-        **_norm_blocks(*x2.shape, norm_weight is not None), **dependent_launch(x.device, x2.shape[0]))
+        **dependent_launch(x.device, x2.shape[0]))
     return q_out
 
 
@@ -881,7 +858,7 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     if not runs_triton(x) or x.shape[-1] == 0:
         return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
-        if norm_weight is not None and n_rows > GATED_PROLOGUE_NORM_MAX_ROWS:
+        if norm_weight is not None and (n_rows > GATED_PROLOGUE_NORM_MAX_ROWS or x.dtype == torch.float16):
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype)
@@ -996,7 +973,7 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
     (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
                                                 head_dim)
     if n_rows <= MAX_STREAMING_ROWS:
-        if norm_weight is not None and n_rows > QKV_PROLOGUE_NORM_MAX_ROWS:
+        if norm_weight is not None and (n_rows > QKV_PROLOGUE_NORM_MAX_ROWS or x.dtype == torch.float16):
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
                         k_cache, v_cache, cache_positions, num_heads, casting, offset)

@@ -244,12 +244,35 @@ def test_engine_is_freed_with_the_model():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
+BF16_TIE_MARGIN = 0.05  # fp32 logit gap below which bf16 (8 mantissa bits: a step of 1/64 near 4) cannot decide
+
+
+def assert_same_decisive_tokens(out, hf, fp32, steps: int) -> None:
+    """out's first ``steps`` greedy tokens equal HF bf16's wherever the choice is decided: per row, step by step
+    while fp32 HF chose the same tokens, each step whose fp32 top-2 logit gap is at least BF16_TIE_MARGIN must
+    agree; a closer gap is a tie bf16 rounding may break either way (HF's own bf16 run included), and ends that
+    row's comparison (the sequences then continue from different tokens). At least half the steps are decisive."""
+    decided = 0
+    for row in range(out.sequences.shape[0]):
+        for step in range(steps):
+            top2 = fp32.logits[step][row].float().topk(2).values
+            if top2[0] - top2[1] < BF16_TIE_MARGIN:
+                break
+            token = PROMPT + step
+            assert out.sequences[row, token] == hf.sequences[row, token] == fp32.sequences[row, token], (
+                f"row {row}, step {step}: fuselm {out.sequences[row, token]}, HF bf16 {hf.sequences[row, token]}, "
+                f"HF fp32 {fp32.sequences[row, token]} (fp32 top-2 gap {top2[0] - top2[1]:.3f})")
+            decided += 1
+    assert decided >= out.sequences.shape[0] * steps / 2, f"only {decided} decisive steps to compare"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3"])
 def test_graph_path_in_bf16(name):
     """bf16 on the GPU: the graph replays (one capture serves two calls); the first steps' tokens agree with HF
-    eager and the logits stay within HF's own bf16-vs-fp32 error (times a margin for the different kernels)."""
+    eager where bf16 can decide them (assert_same_decisive_tokens) and the logits stay within HF's own bf16-vs-fp32
+    error (times a margin for the different kernels)."""
     model = decode_model(name, torch.bfloat16)
     ids, mask = left_padded()
     asked = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -259,7 +282,7 @@ def test_graph_path_in_bf16(name):
     for _ in range(2):
         out = fused_generate(model, ids, mask, **asked)
     assert engine_of(model).captures == 1
-    assert torch.equal(out.sequences[:, :PROMPT + 2], hf.sequences[:, :PROMPT + 2])
+    assert_same_decisive_tokens(out, hf, fp32, steps=2)
     hf_error = rel_err(hf.logits[0], fp32.logits[0])
     assert rel_err(out.logits[0], fp32.logits[0]) <= 3 * hf_error + 1e-3
 
