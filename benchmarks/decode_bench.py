@@ -347,7 +347,9 @@ def print_layer_table(rows: list[dict], copy: float) -> None:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        # -dirty: the tree differs from that commit (a copied working tree, e.g. the device tool's, whose git
+        # HEAD may lag the files it runs)
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None

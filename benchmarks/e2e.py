@@ -400,7 +400,7 @@ def main() -> None:
             results["autotune_picks"] = autotune_picks()
         if earlier is not None:
             keys = (([] if args.generate else ["copy_gbps", "model", "autotune_picks"])
-                    + ([] if args.train else ["train_model"]))
+                    + ([] if args.train else ["train_model", "train_notes"]))
             results |= {key: earlier[key] for key in keys if key in earlier}
             results |= {"rows": merged_rows(earlier, results["rows"]),
                         "merged_into": f"{args.merge_into} of {earlier.get('date')}"}
