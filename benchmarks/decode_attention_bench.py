@@ -1,6 +1,6 @@
 """Decode attention rows for ``decode_bench.py``: fuselm.decode_attention against SDPA's flash and cuDNN backends.
 
-    python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4]
+    python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4] [--sweep-attention-configs]
 
 Llama-3-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16), one query per row (T = 1), at B = 1 x L = 32768 and
 B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2). fuselm reads the whole
@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuselm
 from fuselm.ops import attention
+from fuselm.ops._common import forced_config
 
 BF16 = torch.bfloat16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -105,9 +106,11 @@ def time_shape(heads: Heads, batch: int, context: int, valid: int, copy_gbps: fl
     return rows
 
 
-def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[int, ...] = ()) -> list[dict]:
+def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[int, ...] = (),
+         sweep_configs: bool = False) -> list[dict]:
     """The attention rows: every implementation at each shape, full and half-full caches; then fuselm alone with
-    attention.PROGRAMS_PER_SM set to each of ``sweep_programs_per_sm`` (impl ``fuselm_ppsN``)."""
+    attention.PROGRAMS_PER_SM set to each of ``sweep_programs_per_sm`` (impl ``fuselm_ppsN``), and with
+    ``sweep_configs`` each autotune config forced in turn (impl ``fuselm_cfgI``, I its index in the configs)."""
     heads, shapes = (SMOKE, SMOKE_SHAPES) if smoke else (LLAMA3_8B, SHAPES)
     out = []
     for batch, context in shapes:
@@ -124,6 +127,11 @@ def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[
                     out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_pps{factor}")
     finally:
         attention.PROGRAMS_PER_SM = chosen
+    for index in range(len(attention._decode_attention.configs) if sweep_configs else 0):
+        with forced_config(attention._decode_attention, index):
+            for batch, context in shapes:
+                for valid in (context, context // 2):
+                    out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_cfg{index}")
     return out
 
 

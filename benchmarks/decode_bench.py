@@ -366,6 +366,8 @@ def main() -> None:
                         help="projection M values (above decode_linear.MAX_STREAMING_ROWS the fused ops take cuBLAS)")
     parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
                         help="also time fuselm attention with attention.PROGRAMS_PER_SM at each (impl fuselm_ppsN)")
+    parser.add_argument("--sweep-attention-configs", action="store_true",
+                        help="also time fuselm attention with each autotune config forced (impl fuselm_cfgI)")
     args = parser.parse_args()
     whats = args.only or list(WHATS)
     torch.manual_seed(0)
@@ -380,7 +382,8 @@ def main() -> None:
             began = time.perf_counter()
             if what == "attention":
                 rows += decode_attention_bench.rows(copy, smoke=args.smoke,
-                                                    sweep_programs_per_sm=tuple(args.sweep_programs_per_sm))
+                                                    sweep_programs_per_sm=tuple(args.sweep_programs_per_sm),
+                                                    sweep_configs=args.sweep_attention_configs)
                 settings["attention"] = decode_attention_bench.settings()
             elif what == "projection":
                 rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))
