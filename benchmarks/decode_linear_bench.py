@@ -130,8 +130,7 @@ def gate_up_projection(shapes: Shapes, m: int) -> Projection:
                 "up": randn(n, k, scale=0.02)}
 
     def fused(s, in_prologue):
-        return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, in_prologue), 1e-5, s["gate"], s["up"], "silu",
-                                               "llama", 0.0)
+        return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, in_prologue), 1e-5, s["gate"], s["up"], "silu", 0.0)
 
     def separate(s):  # fuselm.rms_norm, two cuBLAS GEMMs, fuselm.silu_mul
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)

@@ -655,7 +655,9 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
 
 
 def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
-                            up_weight: Tensor | None, activation: str, casting: str, offset: float) -> Tensor:
+                            up_weight: Tensor | None, activation: str, offset: float) -> Tensor:
+    """The small-M kernel. No casting argument: with the rstd after the dot, Llama's and Gemma's norms round the
+    operand x * (weight + offset) the same way."""
     x2 = as_rows(x)
     gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
     (n_rows, n_inner), n_out = x2.shape, gate.shape[0]
@@ -702,7 +704,8 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     slots = num_heads + 2 * num_kv_heads
     # the split-K configs' workspaces (static shapes: every config fits them) and one ticket per (slot, part)
     partials = new_output((MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
-    squares_partials = new_output((MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device)
+    squares_partials = (partials if norm_weight is None else  # [SPLIT_K, programs, M] row sums of squares
+                        new_output((MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device))
     tickets = zeroed_counters(x.device, slots * _QKV_MAX_SPLIT)
     grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
@@ -743,7 +746,7 @@ def _linear_residual_fake(x, weight, residual, bias):
     return residual.new_empty(residual.shape)
 
 
-def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset):
+def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activation, offset):
     n_out = gate_weight.shape[0] if up_weight is not None else gate_weight.shape[0] // 2
     return x.new_empty((*x.shape[:-1], n_out))
 
@@ -766,6 +769,12 @@ QKV_EPILOGUE = FusedOp("qkv_rope_epilogue", _qkv_epilogue_impl, fake=_qkv_epilog
 
 
 # ----------------------------------------------------------------------------------- checks
+def _norm_in_prologue(x: Tensor, n_rows: int, max_rows: int) -> bool:
+    """Whether a streaming kernel runs the norm itself (``*_PROLOGUE_NORM_MAX_ROWS``; never for fp16, whose range
+    x * weight before the rstd can leave)."""
+    return n_rows <= max_rows and x.dtype != torch.float16
+
+
 def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -858,9 +867,9 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     if not runs_triton(x) or x.shape[-1] == 0:
         return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
-        if norm_weight is not None and (n_rows > GATED_PROLOGUE_NORM_MAX_ROWS or x.dtype == torch.float16):
+        if norm_weight is not None and not _norm_in_prologue(x, n_rows, GATED_PROLOGUE_NORM_MAX_ROWS):
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
-        return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
+        return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, offset)
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype)
     if up_weight is None:
         return _GATED_GLU[activation](F.linear(h, gate_weight))
@@ -973,7 +982,7 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
     (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
                                                 head_dim)
     if n_rows <= MAX_STREAMING_ROWS:
-        if norm_weight is not None and (n_rows > QKV_PROLOGUE_NORM_MAX_ROWS or x.dtype == torch.float16):
+        if norm_weight is not None and not _norm_in_prologue(x, n_rows, QKV_PROLOGUE_NORM_MAX_ROWS):
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
                         k_cache, v_cache, cache_positions, num_heads, casting, offset)
