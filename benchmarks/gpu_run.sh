@@ -3,7 +3,7 @@
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
-# config sweep and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
+# config sweep, (FUSELM_STEP=1) a captured decode step's kernels and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -48,6 +48,9 @@ if [ "${FUSELM_CKPT:-0}" = 1 ]; then  # the gradient-checkpointed LoRA step: GPU
 fi
 if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as the benchmark times it (tuning table)
   python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" 2>&1 | tee "$out/tune-decode.log" | tail -n 20
+fi
+if [ "${FUSELM_STEP:-0}" = 1 ]; then  # one captured decode step of fuselm.generate, kernel by kernel
+  python3 benchmarks/step_profile.py --out "$out/step-profile-h200.json" 2>&1 | tee "$out/step-profile.log"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"

@@ -68,10 +68,14 @@ class ChoiceState:
         return self._eos_buffers[count]
 
     def choose(self, logits: Tensor, options: DecodeOptions) -> Tensor:
-        """Pick each row's next token from ``logits`` [B, V] (fp32) and record it; returns the tokens [B]."""
+        """Pick each row's next token from ``logits`` [B, V] (the model's dtype) and record it; returns the tokens
+        [B]. The logits are processed in fp32, as HF's generate does; greedy choice without processing takes the
+        argmax of the logits as they are, the same token (fp32 holds every bf16 and fp16 value exactly)."""
         if options.output_logits:
             self.logits.copy_(logits)
-        scores = logits
+        processed = (options.repetition_penalty != 1.0 or (options.min_new_tokens > 0 and options.eos)
+                     or options.do_sample or options.output_scores)
+        scores = logits.float() if processed else logits
         if options.repetition_penalty != 1.0:
             penalty = self.values[2]
             scores = torch.where(self.seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)

@@ -32,10 +32,14 @@ from fuselm.backend import get_backend
 from fuselm.generation.cache import FusedKVCache
 from fuselm.generation.choice import ChoiceState
 from fuselm.generation.options import DecodeOptions
+from fuselm.generation.rotary import RotaryTables
 
 CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
 EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
 WARMUP_STEPS = 2  # eager steps before a capture: every autotune has finished by then
+# the attention implementation the config names during a decode step: one HF has no mask function for, so the model's
+# forward builds no attention mask (the fused step never reads one; HF's mask for a cache is ~7 small kernels a step)
+UNMASKED = "fuselm_fused_decode"
 
 
 def batch_bucket(batch: int) -> int:
@@ -55,11 +59,13 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 
 class _Bucket:
-    """One batch bucket: its cache, its decoding state and its captured steps (per options mode)."""
+    """One batch bucket: its cache, its decoding state, its rotary tables and its captured steps (per options
+    mode)."""
 
     def __init__(self, model: nn.Module, batch: int, max_cache_len: int, vocab: int):
         self.cache = FusedKVCache(model, batch, max_cache_len)
         self.state = ChoiceState(batch, vocab, max_cache_len, model.device)
+        self.rotary = RotaryTables(model, max_cache_len)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.fingerprint: tuple | None = None
 
@@ -131,28 +137,31 @@ class DecodeEngine:
         fingerprint = _fingerprint(model)
         if bucket.fingerprint != fingerprint:
             bucket.graphs.clear()
+            bucket.rotary.clear()
             bucket.fingerprint = fingerprint
         return bucket
 
     def _forward(self, ids: Tensor, positions: Tensor, cache: FusedKVCache, mask: Tensor | None) -> Tensor:
-        """The model over ``ids`` [B, T] at ``positions`` [B, T], writing ``cache``; the last logits [B, V], fp32."""
+        """The model over ``ids`` [B, T] at ``positions`` [B, T], writing ``cache``; the last logits [B, V], in the
+        model's dtype (the choice casts them to fp32 where HF's processors would)."""
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **{self._cache_keyword: cache})
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :]
 
     def _decode_step(self, bucket: _Bucket, options: DecodeOptions) -> None:
         """One decode step on the bucket's buffers: the model over each row's last token, then the choice.
 
         Every layer takes the fused step (``model_reason`` checked it), which never reads HF's attention mask, so
-        the mask HF builds is built the sdpa way: with ``eager`` attention HF makes it with host-to-device copies,
-        which a CUDA graph cannot capture."""
+        the config names an attention HF builds no mask for (``UNMASKED``; with ``eager`` attention HF would make
+        the mask with host-to-device copies, which a CUDA graph cannot capture), and the rotary embedding is
+        gathered from the bucket's tables."""
         state, config = bucket.state, self.model.config
         implementation = config._attn_implementation
-        if implementation == "eager":
-            config._attn_implementation = "sdpa"
+        config._attn_implementation = UNMASKED
         try:
-            logits = self._forward(state.tokens, state.positions, bucket.cache, None)
+            with bucket.rotary.gathering():
+                logits = self._forward(state.tokens, state.positions, bucket.cache, None)
         finally:
             config._attn_implementation = implementation
         state.choose(logits, options)
