@@ -1,6 +1,7 @@
 """Decode attention rows for ``decode_bench.py``: fuselm.decode_attention against SDPA's flash and cuDNN backends.
 
     python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4] [--sweep-attention-configs]
+        [--sweep-min-split-positions 32 64 128 256]
 
 Llama-3-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16), one query per row (T = 1), at B = 1 x L = 32768 and
 B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2). fuselm reads the whole
@@ -132,6 +133,24 @@ def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[
             for batch, context in shapes:
                 for valid in (context, context // 2):
                     out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_cfg{index}")
+    return out
+
+
+SHORT_SHAPES = [(1, 768, 640), (1, 1024, 512), (1, 8192, 4096)]  # (batch, L, valid): generate's contexts at B = 1
+
+
+def split_rows(copy_gbps: float, values: tuple[int, ...], *, smoke: bool = False) -> list[dict]:
+    """fuselm alone at B = 1 and short contexts with attention.MIN_SPLIT_POSITIONS at each of ``values`` (impl
+    ``fuselm_mspN``): how many splits a short row wants, where latency, not bandwidth, sets the time."""
+    heads, shapes = (SMOKE, [(1, 64, 40)]) if smoke else (LLAMA3_8B, SHORT_SHAPES)
+    chosen, out = attention.MIN_SPLIT_POSITIONS, []
+    try:
+        for value in values:
+            attention.MIN_SPLIT_POSITIONS = value
+            for batch, context, valid in shapes:
+                out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_msp{value}")
+    finally:
+        attention.MIN_SPLIT_POSITIONS = chosen
     return out
 
 

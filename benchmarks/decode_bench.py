@@ -366,6 +366,9 @@ def main() -> None:
                         help="projection M values (above decode_linear.MAX_STREAMING_ROWS the fused ops take cuBLAS)")
     parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
                         help="also time fuselm attention with attention.PROGRAMS_PER_SM at each (impl fuselm_ppsN)")
+    parser.add_argument("--sweep-min-split-positions", type=int, nargs="*", default=[],
+                        help="also time fuselm attention at B = 1, short contexts, with attention.MIN_SPLIT_POSITIONS "
+                             "at each (impl fuselm_mspN)")
     parser.add_argument("--sweep-attention-configs", action="store_true",
                         help="also time fuselm attention with each autotune config forced (impl fuselm_cfgI)")
     args = parser.parse_args()
@@ -384,6 +387,7 @@ def main() -> None:
                 rows += decode_attention_bench.rows(copy, smoke=args.smoke,
                                                     sweep_programs_per_sm=tuple(args.sweep_programs_per_sm),
                                                     sweep_configs=args.sweep_attention_configs)
+                rows += decode_attention_bench.split_rows(copy, tuple(args.sweep_min_split_positions), smoke=args.smoke)
                 settings["attention"] = decode_attention_bench.settings()
             elif what == "projection":
                 rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))

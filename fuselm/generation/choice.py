@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fuselm.generation.options import DecodeOptions
+from fuselm.ops.argmax import row_argmax
 
 
 class ChoiceState:
@@ -86,9 +87,9 @@ class ChoiceState:
         if options.do_sample:
             scores = _warped(scores, options, self.values[0], self.values[1])
             race = torch.empty_like(scores).exponential_()
-            tokens = (scores.softmax(-1) / race).argmax(-1)
+            tokens = row_argmax(scores.softmax(-1) / race)
         else:
-            tokens = scores.argmax(-1)
+            tokens = row_argmax(scores)
         if options.output_scores:
             self.scores.copy_(scores)
         self._record(tokens, options)
