@@ -54,8 +54,11 @@ LENGTH_DTYPES = (torch.int32, torch.int64)
 # Split count: about PROGRAMS_PER_SM programs per SM for the launch, each split at least
 # MIN_SPLIT_POSITIONS cache slots of L, at most MAX_SPLITS splits per (row, kv head); no split once the
 # (row, kv head) units alone give every SM one (H200, B = 32 x 4k: 94.5 % of copy unsplit, 88 % at two).
+# A short row's time is the latency of its split's loop, not bandwidth: at B = 1, L = 768 with 640 valid (generate's
+# 512 + 256), 64 slots a split (12 splits) take 11.8 us against 15.9 at 256 (3 splits); at L = 8192 both are ~19.5 us
+# (results/decode-attention-splits-h200.json).
 PROGRAMS_PER_SM = 2
-MIN_SPLIT_POSITIONS = 256
+MIN_SPLIT_POSITIONS = 64
 MAX_SPLITS = 64
 TILE_ELEMENTS = 8192  # fp32 elements of a program's [rows, D] accumulator (and of one combine step)
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined K/V tiles a config may hold (H200: 227 KiB per block)

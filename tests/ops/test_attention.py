@@ -167,7 +167,8 @@ def test_the_split_count_depends_on_static_shapes_only():
     assert llama_batch1 * 8 >= 132  # B = 1: enough splits to give every SM a program
     assert attention._num_splits(32, 8, 1, 4096, 132) == 1  # B = 32: the batch fills the GPU already
     assert attention._num_splits(8, 8, 1, 4096, 132) == 5  # 64 units: about two programs per SM
-    assert attention._num_splits(1, 8, 1, 100, 132) == 1  # a short buffer is not cut up
+    assert attention._num_splits(1, 8, 1, 768, 132) == 768 // attention.MIN_SPLIT_POSITIONS  # short: by L
+    assert attention._num_splits(1, 8, 1, attention.MIN_SPLIT_POSITIONS, 132) == 1  # a short buffer is not cut up
     assert attention._num_splits(1, 1, 1, 10**6, 10**4) == attention.MAX_SPLITS
 
 
