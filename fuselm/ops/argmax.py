@@ -42,36 +42,31 @@ def _splits(n_rows: int, n_cols: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _better(value, index, nan_index, best_value, best_index, best_nan_index):
-    """The running (largest value, its first index, first NaN index) after a candidate that comes later in the
-    row: a later value replaces the best only when strictly larger (or when there is no best yet)."""
-    take = (value > best_value) | (best_index == _NO_INDEX)
-    return (tl.where(take, value, best_value), tl.where(take, index, best_index),
-            tl.minimum(nan_index, best_nan_index))
-
-
-@triton.jit
 def _row_argmax_kernel(x_ptr, out_ptr, values_ptr, indices_ptr, tickets_ptr, n_cols, stride_x, chunk,
                        SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     # Program (r, s) owns columns [s * chunk, (s + 1) * chunk) of row r: reads them once (chunk x element size
     # bytes), writes its partial (largest value, its first index, first NaN index: 20 bytes) and takes a ticket of
     # row r; the row's last program reads the SPLITS partials back, writes out[r] (8 bytes) and resets the ticket.
+    # Each of the BLOCK lanes keeps its own best over the chunk's tiles (a later column replaces it only when
+    # strictly larger), so the loop has no cross-lane reduction; the lanes meet once after it.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     lo = split.to(tl.int64) * chunk
-    best_value = tl.full((), -float("inf"), tl.float32)
-    best_index = tl.full((), _NO_INDEX, tl.int64)
-    best_nan = tl.full((), _NO_INDEX, tl.int64)
+    lane_value = tl.full([BLOCK], -float("inf"), tl.float32)
+    lane_index = tl.full([BLOCK], _NO_INDEX, tl.int64)
+    lane_nan = tl.full([BLOCK], _NO_INDEX, tl.int64)
     for start in range(lo, tl.minimum(lo + chunk, n_cols), BLOCK):
         cols = start + tl.arange(0, BLOCK).to(tl.int64)
         ok = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=-float("inf")).to(tl.float32)
         is_nan = x != x
-        x = tl.where(is_nan | ~ok, -float("inf"), x)
-        top = tl.max(x, axis=0)
-        first = tl.min(tl.where((x == top) & ok, cols, _NO_INDEX), axis=0)
-        nan = tl.min(tl.where(is_nan, cols, _NO_INDEX), axis=0)
-        best_value, best_index, best_nan = _better(top, first, nan, best_value, best_index, best_nan)
+        take = ok & ~is_nan & ((x > lane_value) | (lane_index == _NO_INDEX))
+        lane_value = tl.where(take, x, lane_value)
+        lane_index = tl.where(take, cols, lane_index)
+        lane_nan = tl.minimum(lane_nan, tl.where(is_nan, cols, _NO_INDEX))
+    best_value = tl.max(lane_value, axis=0)
+    best_index = tl.min(tl.where(lane_value == best_value, lane_index, _NO_INDEX), axis=0)
+    best_nan = tl.min(lane_nan, axis=0)
     partial = row * SPLITS + split
     tl.store(values_ptr + partial, best_value)
     tl.store(indices_ptr + 2 * partial, best_index)

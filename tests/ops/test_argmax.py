@@ -29,12 +29,13 @@ def test_matches_torch_argmax(path, device, splits_per_sm, shape, dtype):
 
 
 def test_ties_take_the_first_index(path, device, splits_per_sm):
-    x = randn(3, 4097, device=device)
+    x = randn(4, 4097, device=device)
     top = x.max() + 1.0
     x[0, [4000, 17, 2500]] = top  # in different chunks once the row is split
     x[1, [1024, 1023]] = top  # either side of a block edge
     x[2] = -float("inf")  # every entry equal: index 0
-    assert row_argmax(x).tolist() == [17, 1023, 0]
+    x[3, [300 + 2 * argmax_module.BLOCK, 300]] = top  # one lane of one tile, two tiles apart
+    assert row_argmax(x).tolist() == [17, 1023, 0, 300]
 
 
 def test_nan_wins_as_in_torch(path, device, splits_per_sm):
