@@ -23,8 +23,8 @@ from fuselm.ops._triton import tl, triton
 
 BLOCK = 1024  # elements per load
 # H200, B = 1 / 32 over 128256 columns: 126 / 9 programs a row with a serial combine took 10 / 20 us a step
-# (results/step-profile-serial-argmax-h200.json); 126 / 33 with one vectorised read: 3.7 / 13 us
-# (results/step-profile-h200.json)
+# (results/step-profile-serial-argmax-h200.json); 126 / 33 with one vectorised read, 3.7 / 13 us
+# (step-profile-tile-argmax-h200.json); the lanes' own bests across tiles, 3.8 / 10.7 (step-profile-h200.json)
 PROGRAMS_PER_SM = 8
 MAX_SPLITS = 256
 _NO_INDEX = tl.constexpr(2**62)  # "none yet": larger than any index
