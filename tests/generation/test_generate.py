@@ -231,6 +231,34 @@ def test_decode_step_never_syncs(name):
     assert syncs.seen == [] and out.sequences.shape == (3, PROMPT + 2)
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_decode_step_builds_no_mask_and_gathers_the_rotary_embedding(name):
+    """Inside a decode step HF's mask functions never run, and the rotary modules' own forward runs only to fill
+    the tables (once per bucket), not per step; the config's attention implementation is restored after."""
+    from transformers import masking_utils
+
+    model = decode_model(name)
+    fuselm.patch(model)
+    ids, mask = left_padded()
+    fused_generate(model, ids, mask, max_new_tokens=2, do_sample=False)
+    engine = engine_of(model)
+    bucket = engine._buckets[4]
+    options = read_options(model, PROMPT, None, dict(max_new_tokens=2, do_sample=False))
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    bucket.rotary.clear()  # made again below, inside the count
+    implementation = model.config._attn_implementation
+    mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    counted = {key: mock.Mock(wraps=function) for key, function in mask_functions.items()}
+    with mock.patch.dict(mask_functions, counted), \
+            mock.patch.object(type(rotary), "forward", autospec=True, side_effect=type(rotary).forward) as forward:
+        engine._decode_step(bucket, options)  # the tables are made now (the patched forward is a new function)
+        made = forward.call_count
+        engine._decode_step(bucket, options)
+    assert made >= 1 and forward.call_count == made, "a step after the first computes no rotary embedding"
+    assert all(function.call_count == 0 for function in counted.values())
+    assert model.config._attn_implementation == implementation
+
+
 def test_engine_is_freed_with_the_model():
     model = decode_model("llama")
     ids, mask = left_padded()
