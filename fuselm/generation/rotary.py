@@ -59,7 +59,10 @@ class RotaryTables:
         compute = type(module).forward.__get__(module)
 
         def gather(x: Tensor, position_ids: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-            """(cos, sin), each [B, T, rotary dim] in x's dtype, for position_ids [B, T]."""
+            """(cos, sin), each [B, T, rotary dim] in x's dtype, for position_ids [B, T] (other shapes, such as
+            multimodal RoPE's [3, B, T], run the module)."""
+            if position_ids.dim() != 2:
+                return compute(x, position_ids, *args, **kwargs)
             key = (id(module), x.dtype, x.device, args, tuple(sorted(kwargs.items())))
             table = self._tables.get(key)
             if table is None:

@@ -69,3 +69,15 @@ def test_tables_follow_the_positions_of_several_tokens():
     with RotaryTables(model, LENGTH).gathering():
         got = module(x, positions)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_positions_of_another_shape_run_the_module():
+    model = tiny_model("llama")
+    module = _rotary_modules(model)[0]
+    positions = torch.tensor([[[3]], [[4]]], device=model.device)  # [2, 1, 1]: not a decode step's [B, T]
+    x = torch.randn(1, 1, 8, device=model.device)
+    expected = module(x, positions)
+    tables = RotaryTables(model, LENGTH)
+    with tables.gathering():
+        got = module(x, positions)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)) and not tables._tables
