@@ -29,14 +29,14 @@ from timing import copy_gbps
 import fuselm
 from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
+from fuselm.profiling import device_launches
 
 
 def _kernels(profile) -> dict[str, list[float]]:
     """GPU kernel name -> the durations (µs) of its launches in ``profile``."""
     found = defaultdict(list)
-    for event in profile.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            found[event.name].append(event.device_time)
+    for launch in device_launches(profile.events()):
+        found[launch.name].append(launch.end_us - launch.start_us)
     return found
 
 

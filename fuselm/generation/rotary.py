@@ -23,7 +23,7 @@ from fuselm.patching.modules import hooked
 def _static_rotary(module: nn.Module) -> bool:
     """Whether ``module`` is an HF rotary embedding whose output depends on the positions alone."""
     rope_type = getattr(module, "rope_type", None)
-    if not type(module).__name__.endswith("RotaryEmbedding") or rope_type is None or hooked(module):
+    if not type(module).__name__.endswith("RotaryEmbedding") or rope_type is None:
         return False
     types = rope_type.values() if isinstance(rope_type, dict) else (rope_type,)
     return all(isinstance(kind, str) and "dynamic" not in kind and kind != "longrope" for kind in types)
@@ -47,13 +47,14 @@ class RotaryTables:
     @contextmanager
     def gathering(self) -> Iterator[None]:
         """Within: each static rotary module returns rows of its tables instead of computing them."""
-        for module in self._modules:
+        gathered = [module for module in self._modules if not hooked(module)]  # hooks as they are at this step
+        for module in gathered:
             module.forward = self._gather_for(module)
         try:
             yield
         finally:
-            for module in self._modules:
-                module.__dict__.pop("forward", None)
+            for module in gathered:
+                del module.forward
 
     def _gather_for(self, module: nn.Module):
         compute = type(module).forward.__get__(module)

@@ -212,20 +212,24 @@ def test_bad_input_names_the_argument():
         fuselm.generate(model, ids, attention_mask=mask, max_new_tokens=-1)
 
 
+def _decoded_bucket(name: str, dtype: torch.dtype = torch.float32, **generation_kwargs):
+    """(model, engine, bucket, options, output) after one fused generate call over ``left_padded()``; the options
+    are read without the output flags, as a decode step runs them."""
+    model = decode_model(name, dtype)
+    fuselm.patch(model)
+    ids, mask = left_padded()
+    out = fused_generate(model, ids, mask, **generation_kwargs)
+    engine = engine_of(model)
+    kwargs = {k: v for k, v in generation_kwargs.items() if k not in ("output_scores", "return_dict_in_generate")}
+    return model, engine, engine._buckets[4], read_options(model, PROMPT, None, kwargs), out
+
+
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_decode_step_never_syncs(name):
     """What a CUDA graph captures: the whole step, sampling with every processor on, reads nothing back."""
-    model = decode_model(name)
-    fuselm.patch(model)
-    ids, mask = left_padded()
-    engine = engine_of(model)
-    out = fused_generate(model, ids, mask, max_new_tokens=2, do_sample=True, top_k=5, top_p=0.9,
-                         repetition_penalty=1.2, min_new_tokens=2, eos_token_id=2, output_scores=True,
-                         return_dict_in_generate=True)
-    bucket = engine._buckets[4]
-    options = read_options(model, PROMPT, None, dict(max_new_tokens=2, do_sample=True, top_k=5,
-                                                                      top_p=0.9, repetition_penalty=1.2,
-                                                                      min_new_tokens=2, eos_token_id=2))
+    _, engine, bucket, options, out = _decoded_bucket(
+        name, max_new_tokens=2, do_sample=True, top_k=5, top_p=0.9, repetition_penalty=1.2, min_new_tokens=2,
+        eos_token_id=2, output_scores=True, return_dict_in_generate=True)
     with HostSyncs() as syncs:
         engine._decode_step(bucket, options)
     assert syncs.seen == [] and out.sequences.shape == (3, PROMPT + 2)
@@ -237,13 +241,7 @@ def test_decode_step_builds_no_mask_and_gathers_the_rotary_embedding(name):
     the tables (once per bucket), not per step; the config's attention implementation is restored after."""
     from transformers import masking_utils
 
-    model = decode_model(name)
-    fuselm.patch(model)
-    ids, mask = left_padded()
-    fused_generate(model, ids, mask, max_new_tokens=2, do_sample=False)
-    engine = engine_of(model)
-    bucket = engine._buckets[4]
-    options = read_options(model, PROMPT, None, dict(max_new_tokens=2, do_sample=False))
+    model, engine, bucket, options, _ = _decoded_bucket(name, max_new_tokens=2, do_sample=False)
     rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     bucket.rotary.clear()  # made again below, inside the count
     implementation = model.config._attn_implementation
@@ -318,13 +316,7 @@ def test_graph_path_in_bf16(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_decode_step_profile_names_fuselm_ops():
-    model = decode_model("llama", torch.bfloat16)
-    fuselm.patch(model)
-    ids, mask = left_padded()
-    fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
-    engine = engine_of(model)
-    bucket = engine._buckets[4]
-    options = read_options(model, PROMPT, None, dict(max_new_tokens=3, do_sample=False))
+    _, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         engine._decode_step(bucket, options)
     names = {event.name for event in profile.events()}
