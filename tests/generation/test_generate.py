@@ -316,7 +316,7 @@ def test_graph_path_in_bf16(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_decode_step_profile_names_fuselm_ops():
-    _, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
+    model, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         engine._decode_step(bucket, options)
     names = {event.name for event in profile.events()}
