@@ -227,7 +227,7 @@ def _decoded_bucket(name: str, dtype: torch.dtype = torch.float32, **generation_
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_decode_step_never_syncs(name):
     """What a CUDA graph captures: the whole step, sampling with every processor on, reads nothing back."""
-    _, engine, bucket, options, out = _decoded_bucket(
+    model, engine, bucket, options, out = _decoded_bucket(  # model bound: the engine holds it weakly
         name, max_new_tokens=2, do_sample=True, top_k=5, top_p=0.9, repetition_penalty=1.2, min_new_tokens=2,
         eos_token_id=2, output_scores=True, return_dict_in_generate=True)
     with HostSyncs() as syncs:
