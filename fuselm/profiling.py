@@ -166,10 +166,11 @@ def first_layers(model: nn.Module, count: int) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------- what launched
 _ATTENTION = ("flash", "fmha", "attention", "sdpa", "attn")
-_GEMM = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "_linear_residual", "_norm_gated", "_qkv_")
+_GEMM = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "_linear_residual", "_norm_gated", "_qkv_",
+         "_post_attention")
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv",
              "aten::addmv", "aten::_addmm_activation", "fuselm::qkv_rope", "fuselm::norm_gated_linear",
-             "fuselm::linear_residual"}
+             "fuselm::linear_residual", "fuselm::post_attention_block"}
 _LOSS = ("cross_entropy", "nll_loss", "log_softmax")
 _NORM = re.compile(r"(rms|layer|group|batch)_?norm")
 # ops that launch no kernel on a GPU: views, metadata, allocations, no-op conversions (an aten::to that converts

@@ -261,6 +261,29 @@ def prefetch_to_l2(ptrs, mask):
                               "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def grid_barrier(sync_ptr, target):
+    """Wait until ``target`` programs have arrived at sync_ptr[0] (this one included), every write they made before
+    arriving visible. The n-th barrier of a launch of P programs waits for n * P. Only for grids whose programs
+    are all resident at once (a persistent grid of at most one program per SM): a program that never starts
+    would leave the others waiting. Counters start at zero: :func:`leave_grid` resets them."""
+    tl.debug_barrier()  # every thread's writes are issued before the release
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def leave_grid(sync_ptr, programs):
+    """The end of a launch with :func:`grid_barrier`: the last of its ``programs`` to leave, when every other is past
+    its last barrier, resets sync_ptr[0] and the leave count sync_ptr[1] to zero for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 1, 0)
+
+
 # Per device, int32 counters that are zero between launches (the split kernels' tickets: decode attention's, the
 # split-K projections'); the last buffer is the one in use. A buffer outgrown is kept: a CUDA graph captured with it
 # still writes it on replay.
