@@ -179,7 +179,7 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
 def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
-                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, X_CACHE: tl.constexpr = ""):
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, X_CACHE: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
     X_CACHE: x's load cache modifier (".cg" where other programs of the same launch wrote x: read at L2).
 
@@ -643,7 +643,7 @@ def _qkv_rope_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty)
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, "")
         acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:

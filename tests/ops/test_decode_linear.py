@@ -425,7 +425,8 @@ def test_post_attention_block_bad_input():
 
 
 def _check_post_attention_configs():
-    for n_rows, dtype in ((1, torch.float32), (17, torch.bfloat16)):
+    # bf16: at fp32 the 4-stage configs' tiles exceed an H200's shared memory (the autotuner skips them there)
+    for n_rows, dtype in ((1, torch.bfloat16), (17, torch.bfloat16)):
         _check_post_attention(n_rows, dtype, hidden=72, intermediate=100, attended_width=600, biases=n_rows == 1)
 
 
