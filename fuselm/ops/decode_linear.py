@@ -48,13 +48,15 @@ from fuselm.ops._common import (
     check_same,
     check_same_device,
     check_tensor,
+    count_item_done,
     dependent_launch,
-    grid_barrier,
-    leave_grid,
+    leave_queues,
     let_next_kernel_launch,
     new_output,
     prefetch_to_l2,
     sm_count,
+    take_item,
+    wait_for_items,
     wait_for_previous_kernel,
     zeroed_counters,
 )
@@ -430,19 +432,24 @@ def _norm_gated_kernel(
 
 # ----------------------------------------------------------------------------------- post-attention block kernel
 # The three projections after attention (o + residual, norm + gate/up + activation, down + residual) in one
-# persistent launch: a program per SM runs its share of each phase's work items, then meets the others at a grid
-# barrier. Between two separate kernels the GPU streams little while the last programs finish and the next kernel's
-# first loads are in flight (the ~5 us fixed cost per projection kernel, benchmarks/NOTES.md); here each program, once
-# its items of a phase are done, prefetches its first item of the next phase into L2 (weights: nothing in the step
-# writes them) before it waits, so the stream goes on through the phase's tail.
-# (BLOCK_N, BLOCK_K, SPLIT_K of o, SPLIT_K of down, BLOCK_N of gate/up, next-phase lines per weight row, warps, stages)
+# persistent launch. Between two separate kernels the GPU streams little while the last programs finish and the next
+# kernel's first loads are in flight (the ~5 us fixed cost per projection kernel, benchmarks/NOTES.md); here a program
+# done with a phase takes its first item of the next one and prefetches that item's first weight lines into L2
+# (weights: nothing in the step writes them) before it waits for the phase's last items.
+# Work items are taken from queues (_common.take_item): programs keep several per SM streaming, a program that starts
+# late finds them empty, and slow programs leave their items to faster ones.
+QUEUE_COUNTERS = 8  # o, gate/up and down queues, o and gate/up done counts, (unused) x 2, the leave count
+_QUEUE_COUNTERS = tl.constexpr(QUEUE_COUNTERS)
+# (BLOCK_N, BLOCK_K, SPLIT_K of o, SPLIT_K of down, BLOCK_N of gate/up, next-phase lines per weight row, programs per
+# SM, warps, stages)
 _POST_ATTENTION_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K_O": split_o, "SPLIT_K_DOWN": split_down,
-                   "BLOCK_N_GATED": n_gated, "NEXT_PHASE_LINES": lines}, num_warps=w, num_stages=s)
-    for n, k, split_o, split_down, n_gated, lines, w, s in [
-        (32, 256, 2, 4, 32, 16, 4, 3), (32, 256, 4, 4, 32, 16, 4, 3), (32, 256, 2, 4, 32, 4, 4, 3),
-        (32, 256, 2, 4, 32, 0, 4, 3), (32, 256, 2, 4, 32, 16, 4, 4), (32, 256, 2, 4, 16, 16, 4, 4),
-        (32, 128, 2, 2, 64, 16, 4, 4), (16, 256, 4, 4, 16, 16, 4, 4)]
+                   "BLOCK_N_GATED": n_gated, "NEXT_PHASE_LINES": lines, "PROGRAMS_PER_SM": per_sm},
+                  num_warps=w, num_stages=s)
+    for n, k, split_o, split_down, n_gated, lines, per_sm, w, s in [
+        (32, 256, 2, 4, 32, 8, 2, 4, 3), (32, 256, 4, 4, 32, 8, 2, 4, 3), (32, 256, 2, 4, 32, 0, 2, 4, 3),
+        (32, 128, 2, 4, 32, 8, 4, 4, 3), (32, 128, 4, 4, 32, 8, 4, 4, 4), (16, 256, 4, 4, 16, 8, 4, 4, 3),
+        (32, 128, 2, 2, 64, 8, 2, 4, 4), (16, 128, 4, 4, 16, 8, 4, 4, 4)]
 ]
 
 
@@ -450,31 +457,32 @@ _POST_ATTENTION_CONFIGS = [
 @triton.jit
 def _post_attention_kernel(
     attended_ptr, wo_ptr, bo_ptr, residual_ptr, h_ptr, norm_weight_ptr, gate_ptr, up_ptr, gated_ptr, wd_ptr, bd_ptr,
-    out_ptr, partial_ptr, tickets_ptr, sync_ptr,
+    out_ptr, partial_ptr, tickets_ptr, queue_ptr,
     n_rows, hidden, n_inner_o, intermediate,
     stride_am, stride_wo, stride_rm, stride_hm, stride_gn, stride_un, stride_gm, stride_wd, stride_om, eps, offset,
     HAS_O_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr,
     DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K_O: tl.constexpr, SPLIT_K_DOWN: tl.constexpr, BLOCK_N_GATED: tl.constexpr,
-    NEXT_PHASE_LINES: tl.constexpr,
+    NEXT_PHASE_LINES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
-    # P programs (all resident). Work items of a phase go round-robin: program p takes items p, p + P, ...
-    # Phase 1, items (column block, K chunk) of o: h = residual + attended @ Wo.T (+ bo), as _linear_residual_kernel
-    # (o's weight streamed once; h, M x hidden, written once). Phase 2, column blocks of gate/up over h:
-    # gated = act(norm(h) @ Wg.T) * (norm(h) @ Wu.T), as _norm_gated_kernel (gate and up streamed once, h re-read
-    # from L2 per item). Phase 3, items (column block, K chunk) of down: out = h + gated @ Wd.T (+ bd). Grid barriers
-    # between the phases; h and gated are read at L2 (.cg): other programs of this launch wrote them.
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    o_blocks = tl.cdiv(hidden, BLOCK_N)
-    gated_blocks = tl.cdiv(intermediate, BLOCK_N_GATED)
+    # A program takes items from each phase's queue until it is empty. Phase 1, items (column block, K chunk) of o:
+    # h = residual + attended @ Wo.T (+ bo), as _linear_residual_kernel (o's weight streamed once; h, M x hidden,
+    # written once). Phase 2, after every o item: column blocks of gate/up, gated = act(norm(h) @ Wg.T) *
+    # (norm(h) @ Wu.T), as _norm_gated_kernel (gate and up streamed once, h re-read from L2 per item). Phase 3, after
+    # every gate/up item: items (column block, K chunk) of down, out = h + gated @ Wd.T (+ bd). h and gated are read
+    # at L2 (.cg): other programs of this launch wrote them.
+    o_items = tl.cdiv(hidden, BLOCK_N) * SPLIT_K_O
+    gated_items = tl.cdiv(intermediate, BLOCK_N_GATED)
+    down_items = tl.cdiv(hidden, BLOCK_N) * SPLIT_K_DOWN
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
     cols_gated = tl.arange(0, BLOCK_N_GATED).to(tl.int64)
 
-    first = (pid // SPLIT_K_O) * BLOCK_N + cols
-    first_lo, _ = _chunk_bounds(pid % SPLIT_K_O, n_inner_o, SPLIT_K_O, BLOCK_K)
+    item = take_item(queue_ptr)
+    first = (item // SPLIT_K_O) * BLOCK_N + cols
+    first_lo, _ = _chunk_bounds(item % SPLIT_K_O, n_inner_o, SPLIT_K_O, BLOCK_K)
     _prefetch_weight_rows(wo_ptr, first, first < hidden, first_lo, stride_wo, n_inner_o, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    for item in range(pid, o_blocks * SPLIT_K_O, programs):
+    while item < o_items:
         col_block, split = item // SPLIT_K_O, item % SPLIT_K_O
         cols_n = col_block * BLOCK_N + cols
         k_lo, k_hi = _chunk_bounds(split, n_inner_o, SPLIT_K_O, BLOCK_K)
@@ -483,25 +491,31 @@ def _post_attention_kernel(
         _finish_linear_residual(acc, col_block, split, cols_n, cols_n < hidden, bo_ptr, residual_ptr, h_ptr,
                                 partial_ptr, tickets_ptr, n_rows, hidden, stride_rm, stride_hm, HAS_O_BIAS, BLOCK_M,
                                 BLOCK_N, SPLIT_K_O, "")
+        count_item_done(queue_ptr + 3)
+        item = take_item(queue_ptr)
 
-    first = pid * BLOCK_N_GATED + cols_gated
+    item = take_item(queue_ptr + 1)
+    first = item * BLOCK_N_GATED + cols_gated
     _prefetch_weight_rows(gate_ptr, first, first < intermediate, 0, stride_gn, hidden, NEXT_PHASE_LINES)
     _prefetch_weight_rows(up_ptr, first, first < intermediate, 0, stride_un, hidden, NEXT_PHASE_LINES)
-    grid_barrier(sync_ptr, programs)
-    for col_block in range(pid, gated_blocks, programs):
-        cols_n = col_block * BLOCK_N_GATED + cols_gated
+    wait_for_items(queue_ptr + 3, o_items)
+    while item < gated_items:
+        cols_n = item * BLOCK_N_GATED + cols_gated
         acc_gate, acc_up, sum_of_squares = _gated_chunk(h_ptr, norm_weight_ptr, gate_ptr, up_ptr, cols_n,
                                                         cols_n < intermediate, n_rows, hidden, stride_hm, stride_gn,
                                                         stride_un, offset, HAS_NORM, BLOCK_M, BLOCK_N_GATED, BLOCK_K,
                                                         ".cg")
         _finish_gated(acc_gate, acc_up, sum_of_squares, cols_n, cols_n < intermediate, gated_ptr, n_rows, hidden,
                       stride_gm, eps, HAS_NORM, ACTIVATION, BLOCK_M)
+        count_item_done(queue_ptr + 4)
+        item = take_item(queue_ptr + 1)
 
-    first = (pid // SPLIT_K_DOWN) * BLOCK_N + cols
-    first_lo, _ = _chunk_bounds(pid % SPLIT_K_DOWN, intermediate, SPLIT_K_DOWN, BLOCK_K)
+    item = take_item(queue_ptr + 2)
+    first = (item // SPLIT_K_DOWN) * BLOCK_N + cols
+    first_lo, _ = _chunk_bounds(item % SPLIT_K_DOWN, intermediate, SPLIT_K_DOWN, BLOCK_K)
     _prefetch_weight_rows(wd_ptr, first, first < hidden, first_lo, stride_wd, intermediate, NEXT_PHASE_LINES)
-    grid_barrier(sync_ptr, 2 * programs)
-    for item in range(pid, o_blocks * SPLIT_K_DOWN, programs):
+    wait_for_items(queue_ptr + 4, gated_items)
+    while item < down_items:
         col_block, split = item // SPLIT_K_DOWN, item % SPLIT_K_DOWN
         cols_n = col_block * BLOCK_N + cols
         k_lo, k_hi = _chunk_bounds(split, intermediate, SPLIT_K_DOWN, BLOCK_K)
@@ -510,8 +524,9 @@ def _post_attention_kernel(
         _finish_linear_residual(acc, col_block, split, cols_n, cols_n < hidden, bd_ptr, h_ptr, out_ptr, partial_ptr,
                                 tickets_ptr, n_rows, hidden, stride_hm, stride_om, HAS_DOWN_BIAS, BLOCK_M, BLOCK_N,
                                 SPLIT_K_DOWN, ".cg")
+        item = take_item(queue_ptr + 2)
     let_next_kernel_launch(DEPENDENT)
-    leave_grid(sync_ptr, programs)
+    leave_queues(queue_ptr, _QUEUE_COUNTERS, tl.num_programs(0))
 
 
 # ----------------------------------------------------------------------------------- q/k/v + RoPE + cache kernels
@@ -830,8 +845,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
 def _post_attention_impl(attended: Tensor, o_weight: Tensor, o_bias: Tensor | None, residual: Tensor,
                          norm_weight: Tensor | None, eps: float, gate_weight: Tensor, up_weight: Tensor | None,
                          down_weight: Tensor, down_bias: Tensor | None, activation: str, offset: float) -> Tensor:
-    """The small-M persistent kernel: one program per SM (one program under the interpreter, which runs programs
-    one after another and so could not pass a grid barrier with more)."""
+    """The small-M persistent kernel: PROGRAMS_PER_SM programs per SM (under the interpreter, one per its one "SM")."""
     x2, residual2 = as_rows(attended), as_rows(residual)
     wo, wd = _unit_stride(o_weight), _unit_stride(down_weight)
     gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
@@ -841,9 +855,10 @@ def _post_attention_impl(attended: Tensor, o_weight: Tensor, o_bias: Tensor | No
     out = new_output(residual.shape, attended.dtype, attended.device)
     out2 = out.view(-1, hidden)
     partials = new_output((MAX_SPLIT_K, n_rows, hidden), torch.float32, attended.device)
-    counters = zeroed_counters(attended.device, hidden + 2)  # a ticket per column block, then the barrier's two
-    programs = 1 if INTERPRETING else sm_count(attended.device)
-    _post_attention_kernel[(programs,)](
+    # a ticket per column block, then the queues' counters
+    counters = zeroed_counters(attended.device, hidden + QUEUE_COUNTERS)
+    grid = lambda meta: (sm_count(attended.device) * meta["PROGRAMS_PER_SM"],)  # noqa: E731
+    _post_attention_kernel[grid](
         x2, wo, o_bias.contiguous() if o_bias is not None else wo, residual2, h,
         norm_weight.contiguous() if norm_weight is not None else x2, gate, up, gated, wd,
         down_bias.contiguous() if down_bias is not None else wd, out2, partials, counters, counters[hidden:],
