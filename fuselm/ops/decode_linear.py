@@ -1102,6 +1102,9 @@ def post_attention_block(attended: Tensor, o_weight: Tensor, residual: Tensor, n
         :func:`linear_residual`, :func:`norm_gated_linear` and :func:`linear_residual` in turn.
     """
     check_tensor("attended", attended)
+    check_same_device("attended", attended, o_weight=o_weight, residual=residual, norm_weight=norm_weight,
+                      gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight, o_bias=o_bias,
+                      down_bias=down_bias)
     _check_weight("o_weight", o_weight, attended)
     hidden = o_weight.shape[0]
     check_tensor("residual", residual)

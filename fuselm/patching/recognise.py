@@ -170,8 +170,11 @@ def _probe_mlp(cls: type, module: nn.Module, spec: MlpSpec) -> str | None:
 @functools.cache
 def _probe_rope(original: Callable) -> tuple[Callable | None, str]:
     """fuselm's drop-in for the HF function ``original``, or None and why not."""
+    # transformers >= 5.25 with `kernels` installed wraps the function in a module (use_kernel_forward_from_hub),
+    # called as before: its forward has the function's signature
+    signed = original.forward if isinstance(original, torch.nn.Module) else original
     try:
-        parameters = list(inspect.signature(original).parameters)
+        parameters = list(inspect.signature(signed).parameters)
     except (TypeError, ValueError):
         parameters = []
     if parameters != ["q", "k", "cos", "sin", "unsqueeze_dim"]:
