@@ -63,14 +63,11 @@ from transformers.models.llama.modeling_llama import (
 import fuselm
 from fuselm.generation import FusedKVCache
 from fuselm.ops._common import autotune_picks
-from fuselm.patching import decode as fused_decode
 
 WHATS = ("layer_step", "attention", "projection", "prefill_layer")
 LAYER_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                      "rms_norm_eps")
-# fuselm_5_kernels: fuselm's step with post_attention_block off (o, gate/up and down as three kernels, as before it)
-IMPLS = ("fuselm", "fuselm_5_kernels", "hf_eager", "hf_compile", "hf_fuselm_ops")
-FUSED_STEP_IMPLS = ("fuselm", "fuselm_5_kernels")
+IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
 BF16 = torch.bfloat16
 LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
 SMOKE_LAYER_SHAPES = [(2, 8)]
@@ -207,15 +204,13 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
             row = {"what": "layer_step", "impl": impl, "batch": batch, "context": context, "max_len": s.max_len,
                    "bytes": total, "bytes_counted": counted}
             try:
-                if impl in (*FUSED_STEP_IMPLS, "hf_fuselm_ops"):
+                if impl in ("fuselm", "hf_fuselm_ops"):
                     report = patch_checked(layer)
                 else:
                     fuselm.unpatch(layer)
-                fused = impl in FUSED_STEP_IMPLS
-                fused_decode.use_post_attention_block = impl != "fuselm_5_kernels"
-                cache, reset = fused_cache(config, s, device) if fused else static_cache(config, s, device)
+                cache, reset = fused_cache(config, s, device) if impl == "fuselm" else static_cache(config, s, device)
                 # HF's model builds this mask once per step for every layer: outside the timed step
-                mask = None if fused else create_causal_mask(config, s.hidden, None, cache, s.position_ids)
+                mask = None if impl == "fuselm" else create_causal_mask(config, s.hidden, None, cache, s.position_ids)
                 if impl == "hf_compile":
                     torch._dynamo.reset()
                 call = torch.compile(layer, dynamic=False) if impl == "hf_compile" else layer
@@ -248,7 +243,6 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             finally:
                 fuselm.unpatch(layer)
-                fused_decode.use_post_attention_block = True
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             rows.append(row)

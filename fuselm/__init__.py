@@ -9,7 +9,7 @@ from importlib import metadata as _metadata
 from fuselm.backend import get_backend, set_backend, use_backend
 from fuselm.ops.attention import decode_attention
 from fuselm.ops.cross_entropy import cross_entropy, linear_cross_entropy
-from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, post_attention_block, qkv_rope
+from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.lora import lora_add, lora_add_shared, lora_linear, lora_linear_shared
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
@@ -26,8 +26,8 @@ _GENERATION = ("generate",)
 _BACKEND = ("get_backend", "set_backend", "use_backend")
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gelu_tanh_mul", "cross_entropy", "linear_cross_entropy",
-           "decode_attention", "linear_residual", "norm_gated_linear", "post_attention_block", "qkv_rope", "lora_add",
-           "lora_add_shared", "lora_linear", "lora_linear_shared",
+           "decode_attention", "linear_residual", "norm_gated_linear", "qkv_rope", "lora_add", "lora_add_shared",
+           "lora_linear", "lora_linear_shared",
            "get_backend", "set_backend", "use_backend", *_PATCHING, *_GENERATION]
 _OPS = tuple(name for name in __all__ if name not in (*_BACKEND, *_PATCHING, *_GENERATION))  # the fuselm:: ops
 

@@ -166,12 +166,10 @@ def first_layers(model: nn.Module, count: int) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------- what launched
 _ATTENTION = ("flash", "fmha", "attention", "sdpa", "attn")
-# fuselm's projection kernels, named before the attention words (_post_attention_kernel is the o projection and MLP)
-_FUSED_PROJECTIONS = ("_linear_residual", "_norm_gated", "_qkv_", "_post_attention")
-_GEMM = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")
+_GEMM = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "_linear_residual", "_norm_gated", "_qkv_")
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv",
              "aten::addmv", "aten::_addmm_activation", "fuselm::qkv_rope", "fuselm::norm_gated_linear",
-             "fuselm::linear_residual", "fuselm::post_attention_block"}
+             "fuselm::linear_residual"}
 _LOSS = ("cross_entropy", "nll_loss", "log_softmax")
 _NORM = re.compile(r"(rms|layer|group|batch)_?norm")
 # ops that launch no kernel on a GPU: views, metadata, allocations, no-op conversions (an aten::to that converts
@@ -189,8 +187,6 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 def classify(kernel: str, op: str) -> str:
     """The kind (one of KINDS) of a kernel named ``kernel``, launched from the torch op named ``op``."""
     k, o = kernel.lower(), op.lower()
-    if any(word in k for word in _FUSED_PROJECTIONS):
-        return "projections"
     if any(word in k for word in _ATTENTION):
         return "attention"
     if any(word in k for word in _GEMM):

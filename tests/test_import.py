@@ -17,8 +17,7 @@ import fuselm
 from fuselm.ops import _triton
 from fuselm.ops.attention import decode_attention_reference
 from fuselm.ops.cross_entropy import cross_entropy_reference, linear_cross_entropy_reference
-from fuselm.ops.decode_linear import (linear_residual_reference, norm_gated_linear_reference,
-                                     post_attention_block_reference, qkv_rope_reference)
+from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from fuselm.ops.glu import gelu_tanh_mul_reference, silu_mul_reference
 from fuselm.ops.lora import lora_add_reference, lora_linear_reference
 from fuselm.ops.rms_norm import add_rms_norm_reference, rms_norm_reference
@@ -50,9 +49,6 @@ CASES = {  # op: (fuselm's result on fp32 inputs, the reference's on float64 cop
     "linear_residual": (fuselm.linear_residual(x, head, r), [linear_residual_reference(*d(x, head, r))]),
     "norm_gated_linear": (fuselm.norm_gated_linear(x, w, 1e-6, head, head.flip(0)),
                           [norm_gated_linear_reference(*d(x, w), 1e-6, *d(head, head.flip(0)))]),
-    "post_attention_block": (fuselm.post_attention_block(x, head, r, w, 1e-6, head, head.flip(0), head.t()),
-                             [post_attention_block_reference(*d(x, head, r, w), 1e-6,
-                                                             *d(head, head.flip(0), head.t()))]),
     "qkv_rope": ([fuselm.qkv_rope(hx, w, 1e-6, wq, wkv, wkv.flip(0), rc, rs, *caches, slots, num_heads=4,
                                   num_kv_heads=2), *caches],
                  [qkv_rope_reference(*d(hx, w), 1e-6, *d(wq, wkv, wkv.flip(0), rc, rs), *caches64, slots, 4, 2),

@@ -261,40 +261,6 @@ def prefetch_to_l2(ptrs, mask):
                               "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# Dynamically scheduled phases (a persistent kernel's work queue): programs take a phase's work items in order from a
-# counter, count each item done, and wait for a phase's count before the next phase reads what it wrote. A waiting
-# program only ever waits for items that running programs have taken, so any grid size is safe (programs that start
-# late find the queues empty), and the interpreter, which runs programs one after another, runs it as well.
-@triton.jit
-def take_item(queue_ptr):
-    """The next work item of a phase: queue_ptr[0]'s value before this program adds one."""
-    return tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def count_item_done(done_ptr):
-    """done_ptr[0] += 1 once every thread's writes for the item are issued, released with them."""
-    tl.debug_barrier()
-    tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_for_items(done_ptr, target):
-    """Wait until done_ptr[0] reaches ``target``, the counted items' writes then visible to this program."""
-    while tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def leave_queues(counters_ptr, N_COUNTERS: tl.constexpr, programs):
-    """The end of a program: the last of ``programs`` to leave (every other is done with the queues) zeroes
-    counters_ptr[:N_COUNTERS], the last of which is the leave count, for the next launch."""
-    tl.debug_barrier()
-    if tl.atomic_add(counters_ptr + N_COUNTERS - 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        tl.store(counters_ptr + tl.arange(0, N_COUNTERS), tl.zeros([N_COUNTERS], dtype=tl.int32))
-
-
 # Per device, int32 counters that are zero between launches (the split kernels' tickets: decode attention's, the
 # split-K projections'); the last buffer is the one in use. A buffer outgrown is kept: a CUDA graph captured with it
 # still writes it on replay.

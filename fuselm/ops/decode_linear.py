@@ -48,15 +48,10 @@ from fuselm.ops._common import (
     check_same,
     check_same_device,
     check_tensor,
-    count_item_done,
     dependent_launch,
-    leave_queues,
     let_next_kernel_launch,
     new_output,
     prefetch_to_l2,
-    sm_count,
-    take_item,
-    wait_for_items,
     wait_for_previous_kernel,
     zeroed_counters,
 )
@@ -126,16 +121,6 @@ def norm_gated_linear_reference(x: Tensor, norm_weight: Tensor | None, eps: floa
     return _GLU_REFERENCES[activation](F.linear(h, gate), F.linear(h, up))
 
 
-def post_attention_block_reference(attended: Tensor, o_weight: Tensor, residual: Tensor, norm_weight: Tensor | None,
-                                   eps: float, gate_weight: Tensor, up_weight: Tensor | None, down_weight: Tensor,
-                                   o_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                                   activation: str = "silu", casting: str = "llama", offset: float = 0.0) -> Tensor:
-    """:func:`post_attention_block` in plain PyTorch: the three references in turn. Shapes as there."""
-    h = linear_residual_reference(attended, o_weight, residual, o_bias)
-    gated = norm_gated_linear_reference(h, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
-    return linear_residual_reference(gated, down_weight, h, down_bias)
-
-
 def _qkv_weights(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, num_heads, num_kv_heads, head_dim):
     """(weight, bias) of q, k and v: the packed [(Hq + 2 Hkv) D, hidden] weight (and bias) split into views."""
     if k_weight is not None:
@@ -181,15 +166,14 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
 def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
-                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, X_CACHE: tl.constexpr):
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
-    X_CACHE: x's load cache modifier (".cg" where other programs of the same launch wrote x: read at L2).
 
     Without a norm: x, and the sum unchanged. With one: x * (norm weight + offset) rounded once to the operand
     dtype, and the sum plus this tile's squares; RMSNorm's per-row factor rstd commutes with the dot, so
     :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
-                mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0, cache_modifier=X_CACHE)
+                mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
     if HAS_NORM:
         x = x.to(tl.float32)
         sum_of_squares += tl.sum(x * x, axis=1)
@@ -215,9 +199,8 @@ def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner):
 
 @triton.jit
 def _prefetch_weight_rows(w_ptr, weight_rows, rows_ok, k_lo, stride_wn, n_inner, PREFETCH_LINES: tl.constexpr):
-    """Into L2: the first PREFETCH_LINES 128-byte lines of W[weight_rows, k_lo:] (a hint: none in the interpreter,
-    which runs no inline assembly)."""
-    if PREFETCH_LINES > 0 and not _INTERPRETER:
+    """Into L2: the first PREFETCH_LINES 128-byte lines of W[weight_rows, k_lo:] (before the dependent wait)."""
+    if PREFETCH_LINES > 0:
         per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
         cols = k_lo + tl.arange(0, PREFETCH_LINES) * per_line
         prefetch_to_l2(w_ptr + weight_rows[:, None] * stride_wn + cols[None, :],
@@ -289,59 +272,6 @@ def _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out
     return total
 
 
-@triton.jit
-def _chunk_bounds(split, n_inner, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[k_lo, k_hi): K chunk ``split`` of SPLIT_K (whole BLOCK_K tiles; the last may be short or empty)."""
-    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = split * chunk
-    return k_lo, tl.minimum(k_lo + chunk, n_inner)
-
-
-@triton.jit
-def _linear_chunk(x_ptr, w_ptr, cols_n, col_ok, k_lo, k_hi, n_rows, n_inner, stride_xm, stride_wn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr):
-    """fp32 x[:, k_lo:k_hi] @ W[cols_n, k_lo:k_hi].T, [BLOCK_M, BLOCK_N]: the weight rows streamed once."""
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    row_ok = rows < n_rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_K):
-        cols_k = start + tl.arange(0, BLOCK_K)
-        x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
-                             w_ptr.dtype.element_ty, X_CACHE)
-        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
-    return acc
-
-
-@triton.jit
-def _finish_linear_residual(acc, col_block, split, cols_n, col_ok, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                            tickets_ptr, n_rows, n_out, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                            RESIDUAL_CACHE: tl.constexpr):
-    """The epilogue of column block ``col_block``'s K chunk ``split``: with SPLIT_K > 1 its fp32 partial is stored and
-    a ticket taken, and the last of the block's SPLIT_K chunks sums the partials in split order (then resets the
-    ticket); that one (or the only chunk) writes out = residual + acc (+ bias), rounded once."""
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    row_ok = rows < n_rows
-    mask = row_ok[:, None] & col_ok[None, :]
-    last = True
-    if SPLIT_K > 1:
-        _store_partial(partial_ptr, acc, split, rows, row_ok, cols_n, col_ok, n_rows, n_out)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases it
-        ticket = tl.atomic_add(tickets_ptr + col_block, 1, sem="acq_rel", scope="gpu")
-        last = ticket == SPLIT_K - 1
-        if last:
-            acc = _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out, SPLIT_K, BLOCK_M,
-                                      BLOCK_N)
-            tl.store(tickets_ptr + col_block, 0)  # ready for the next launch
-    if last:
-        acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask, other=0.0,
-                       cache_modifier=RESIDUAL_CACHE).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty),
-                 mask=mask)
-
-
 @autotune(_LINEAR_RESIDUAL_CONFIGS, key=_STREAMING_KEY)
 @triton.jit
 def _linear_residual_kernel(
@@ -355,56 +285,42 @@ def _linear_residual_kernel(
     # (M x K / SPLIT_K, from L2). With SPLIT_K = 1 it writes M x BLOCK_N outputs = residual + acc (+ bias), rounded
     # once; otherwise an fp32 M x BLOCK_N partial, and the last program of column block n to take its ticket reads
     # the SPLIT_K partials back, writes the outputs and resets the ticket.
-    col_block, split = tl.program_id(0), tl.program_id(1)
-    cols_n = (col_block * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
-    k_lo, k_hi = _chunk_bounds(split, n_inner, SPLIT_K, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < n_rows
+    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     _prefetch_weight_rows(w_ptr, cols_n, col_ok, k_lo, stride_wn, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    acc = _linear_chunk(x_ptr, w_ptr, cols_n, col_ok, k_lo, k_hi, n_rows, n_inner, stride_xm, stride_wn, BLOCK_M,
-                        BLOCK_N, BLOCK_K, "")
+    for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
+        cols_k = start + tl.arange(0, BLOCK_K)
+        x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
+                             w_ptr.dtype.element_ty)
+        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
     let_next_kernel_launch(DEPENDENT)
-    _finish_linear_residual(acc, col_block, split, cols_n, col_ok, bias_ptr, residual_ptr, out_ptr, partial_ptr,
-                            tickets_ptr, n_rows, n_out, stride_rm, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K, "")
+    mask = row_ok[:, None] & col_ok[None, :]
+    last = True
+    if SPLIT_K > 1:
+        _store_partial(partial_ptr, acc, rows, row_ok, cols_n, col_ok, n_rows, n_out)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases it
+        ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT_K - 1
+        if last:
+            acc = _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out, SPLIT_K, BLOCK_M,
+                                      BLOCK_N)
+            tl.store(tickets_ptr + tl.program_id(0), 0)  # ready for the next launch
+    if last:
+        acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols_n[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
-@triton.jit
-def _gated_chunk(x_ptr, norm_weight_ptr, gate_ptr, up_ptr, cols_n, col_ok, n_rows, n_inner, stride_xm, stride_gn,
-                 stride_un, offset, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr):
-    """fp32 (x' @ Wg[cols_n].T, x' @ Wu[cols_n].T, the rows' sums of squares) over all of K, x' = x times the norm
-    weight with HAS_NORM (rstd applied later, :func:`_scale_by_rstd`): the gate and up rows streamed once."""
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    row_ok = rows < n_rows
-    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_inner, BLOCK_K):
-        cols_k = start + tl.arange(0, BLOCK_K)
-        x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, X_CACHE)
-        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
-        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
-    return acc_gate, acc_up, sum_of_squares
-
-
-@triton.jit
-def _finish_gated(acc_gate, acc_up, sum_of_squares, cols_n, col_ok, out_ptr, n_rows, n_inner, stride_om, eps,
-                  HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The rows' rstd on both accumulators, the projections rounded (as silu_mul reads them), act(gate) * up
-    written to out[:, cols_n], rounded once."""
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
-    acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
-    out_dtype = out_ptr.dtype.element_ty
-    gate = _cast(acc_gate, out_dtype).to(tl.float32)
-    activated, _ = _activation(gate, ACTIVATION)
-    result = activated * _cast(acc_up, out_dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(result, out_dtype),
-             mask=(rows < n_rows)[:, None] & col_ok[None, :])
-
-
 @autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM"])
 @triton.jit
 def _norm_gated_kernel(
@@ -419,114 +335,29 @@ def _norm_gated_kernel(
     # and the rows' rstd, summed from the same tiles, scales both accumulators after the loop. Writes M x BLOCK_N.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < n_rows
     _prefetch_weight_rows(gate_ptr, cols_n, col_ok, 0, stride_gn, n_inner, PREFETCH_LINES)
     _prefetch_weight_rows(up_ptr, cols_n, col_ok, 0, stride_un, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    acc_gate, acc_up, sum_of_squares = _gated_chunk(x_ptr, norm_weight_ptr, gate_ptr, up_ptr, cols_n, col_ok, n_rows,
-                                                    n_inner, stride_xm, stride_gn, stride_un, offset, HAS_NORM,
-                                                    BLOCK_M, BLOCK_N, BLOCK_K, "")
+    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_inner, BLOCK_K):
+        cols_k = start + tl.arange(0, BLOCK_K)
+        x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty)
+        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
+        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
     let_next_kernel_launch(DEPENDENT)
-    _finish_gated(acc_gate, acc_up, sum_of_squares, cols_n, col_ok, out_ptr, n_rows, n_inner, stride_om, eps,
-                  HAS_NORM, ACTIVATION, BLOCK_M)
-
-
-# ----------------------------------------------------------------------------------- post-attention block kernel
-# The three projections after attention (o + residual, norm + gate/up + activation, down + residual) in one
-# persistent launch. Between two separate kernels the GPU streams little while the last programs finish and the next
-# kernel's first loads are in flight (the ~5 us fixed cost per projection kernel, benchmarks/NOTES.md); here a program
-# done with a phase takes its first item of the next one and prefetches that item's first weight lines into L2
-# (weights: nothing in the step writes them) before it waits for the phase's last items.
-# Work items are taken from queues (_common.take_item): programs keep several per SM streaming, a program that starts
-# late finds them empty, and slow programs leave their items to faster ones.
-QUEUE_COUNTERS = 8  # o, gate/up and down queues, o and gate/up done counts, (unused) x 2, the leave count
-_QUEUE_COUNTERS = tl.constexpr(QUEUE_COUNTERS)
-# (BLOCK_N, BLOCK_K, SPLIT_K of o, SPLIT_K of down, BLOCK_N of gate/up, next-phase lines per weight row, programs per
-# SM, warps, stages)
-_POST_ATTENTION_CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K_O": split_o, "SPLIT_K_DOWN": split_down,
-                   "BLOCK_N_GATED": n_gated, "NEXT_PHASE_LINES": lines, "PROGRAMS_PER_SM": per_sm},
-                  num_warps=w, num_stages=s)
-    for n, k, split_o, split_down, n_gated, lines, per_sm, w, s in [
-        (32, 256, 2, 4, 32, 8, 2, 4, 3), (32, 256, 4, 4, 32, 8, 2, 4, 3), (32, 256, 2, 4, 32, 0, 2, 4, 3),
-        (32, 128, 2, 4, 32, 8, 4, 4, 3), (32, 128, 4, 4, 32, 8, 4, 4, 4), (16, 256, 4, 4, 16, 8, 4, 4, 3),
-        (32, 128, 2, 2, 64, 8, 2, 4, 4), (16, 128, 4, 4, 16, 8, 4, 4, 4)]
-]
-
-
-@autotune(_POST_ATTENTION_CONFIGS, key=["BLOCK_M", "hidden", "n_inner_o", "intermediate", "HAS_NORM"])
-@triton.jit
-def _post_attention_kernel(
-    attended_ptr, wo_ptr, bo_ptr, residual_ptr, h_ptr, norm_weight_ptr, gate_ptr, up_ptr, gated_ptr, wd_ptr, bd_ptr,
-    out_ptr, partial_ptr, tickets_ptr, queue_ptr,
-    n_rows, hidden, n_inner_o, intermediate,
-    stride_am, stride_wo, stride_rm, stride_hm, stride_gn, stride_un, stride_gm, stride_wd, stride_om, eps, offset,
-    HAS_O_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr,
-    DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K_O: tl.constexpr, SPLIT_K_DOWN: tl.constexpr, BLOCK_N_GATED: tl.constexpr,
-    NEXT_PHASE_LINES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
-):
-    # A program takes items from each phase's queue until it is empty. Phase 1, items (column block, K chunk) of o:
-    # h = residual + attended @ Wo.T (+ bo), as _linear_residual_kernel (o's weight streamed once; h, M x hidden,
-    # written once). Phase 2, after every o item: column blocks of gate/up, gated = act(norm(h) @ Wg.T) *
-    # (norm(h) @ Wu.T), as _norm_gated_kernel (gate and up streamed once, h re-read from L2 per item). Phase 3, after
-    # every gate/up item: items (column block, K chunk) of down, out = h + gated @ Wd.T (+ bd). h and gated are read
-    # at L2 (.cg): other programs of this launch wrote them.
-    o_items = tl.cdiv(hidden, BLOCK_N) * SPLIT_K_O
-    gated_items = tl.cdiv(intermediate, BLOCK_N_GATED)
-    down_items = tl.cdiv(hidden, BLOCK_N) * SPLIT_K_DOWN
-    cols = tl.arange(0, BLOCK_N).to(tl.int64)
-    cols_gated = tl.arange(0, BLOCK_N_GATED).to(tl.int64)
-
-    item = take_item(queue_ptr)
-    first = (item // SPLIT_K_O) * BLOCK_N + cols
-    first_lo, _ = _chunk_bounds(item % SPLIT_K_O, n_inner_o, SPLIT_K_O, BLOCK_K)
-    _prefetch_weight_rows(wo_ptr, first, first < hidden, first_lo, stride_wo, n_inner_o, PREFETCH_LINES)
-    wait_for_previous_kernel(DEPENDENT)
-    while item < o_items:
-        col_block, split = item // SPLIT_K_O, item % SPLIT_K_O
-        cols_n = col_block * BLOCK_N + cols
-        k_lo, k_hi = _chunk_bounds(split, n_inner_o, SPLIT_K_O, BLOCK_K)
-        acc = _linear_chunk(attended_ptr, wo_ptr, cols_n, cols_n < hidden, k_lo, k_hi, n_rows, n_inner_o, stride_am,
-                            stride_wo, BLOCK_M, BLOCK_N, BLOCK_K, "")
-        _finish_linear_residual(acc, col_block, split, cols_n, cols_n < hidden, bo_ptr, residual_ptr, h_ptr,
-                                partial_ptr, tickets_ptr, n_rows, hidden, stride_rm, stride_hm, HAS_O_BIAS, BLOCK_M,
-                                BLOCK_N, SPLIT_K_O, "")
-        count_item_done(queue_ptr + 3)
-        item = take_item(queue_ptr)
-
-    item = take_item(queue_ptr + 1)
-    first = item * BLOCK_N_GATED + cols_gated
-    _prefetch_weight_rows(gate_ptr, first, first < intermediate, 0, stride_gn, hidden, NEXT_PHASE_LINES)
-    _prefetch_weight_rows(up_ptr, first, first < intermediate, 0, stride_un, hidden, NEXT_PHASE_LINES)
-    wait_for_items(queue_ptr + 3, o_items)
-    while item < gated_items:
-        cols_n = item * BLOCK_N_GATED + cols_gated
-        acc_gate, acc_up, sum_of_squares = _gated_chunk(h_ptr, norm_weight_ptr, gate_ptr, up_ptr, cols_n,
-                                                        cols_n < intermediate, n_rows, hidden, stride_hm, stride_gn,
-                                                        stride_un, offset, HAS_NORM, BLOCK_M, BLOCK_N_GATED, BLOCK_K,
-                                                        ".cg")
-        _finish_gated(acc_gate, acc_up, sum_of_squares, cols_n, cols_n < intermediate, gated_ptr, n_rows, hidden,
-                      stride_gm, eps, HAS_NORM, ACTIVATION, BLOCK_M)
-        count_item_done(queue_ptr + 4)
-        item = take_item(queue_ptr + 1)
-
-    item = take_item(queue_ptr + 2)
-    first = (item // SPLIT_K_DOWN) * BLOCK_N + cols
-    first_lo, _ = _chunk_bounds(item % SPLIT_K_DOWN, intermediate, SPLIT_K_DOWN, BLOCK_K)
-    _prefetch_weight_rows(wd_ptr, first, first < hidden, first_lo, stride_wd, intermediate, NEXT_PHASE_LINES)
-    wait_for_items(queue_ptr + 4, gated_items)
-    while item < down_items:
-        col_block, split = item // SPLIT_K_DOWN, item % SPLIT_K_DOWN
-        cols_n = col_block * BLOCK_N + cols
-        k_lo, k_hi = _chunk_bounds(split, intermediate, SPLIT_K_DOWN, BLOCK_K)
-        acc = _linear_chunk(gated_ptr, wd_ptr, cols_n, cols_n < hidden, k_lo, k_hi, n_rows, intermediate, stride_gm,
-                            stride_wd, BLOCK_M, BLOCK_N, BLOCK_K, ".cg")
-        _finish_linear_residual(acc, col_block, split, cols_n, cols_n < hidden, bd_ptr, h_ptr, out_ptr, partial_ptr,
-                                tickets_ptr, n_rows, hidden, stride_hm, stride_om, HAS_DOWN_BIAS, BLOCK_M, BLOCK_N,
-                                SPLIT_K_DOWN, ".cg")
-        item = take_item(queue_ptr + 2)
-    let_next_kernel_launch(DEPENDENT)
-    leave_queues(queue_ptr, _QUEUE_COUNTERS, tl.num_programs(0))
+    acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
+    acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
+    out_dtype = out_ptr.dtype.element_ty
+    gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
+    activated, _ = _activation(gate, ACTIVATION)
+    result = activated * _cast(acc_up, out_dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(result, out_dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------- q/k/v + RoPE + cache kernels
@@ -658,7 +489,7 @@ def _qkv_rope_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, "")
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty)
         acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
@@ -669,11 +500,10 @@ def _qkv_rope_kernel(
         # the partial's columns: slot s's head_dim columns of the [SPLIT_K, M, slots * D] fp32 workspace
         n_cols = (n_heads_q + 2 * n_heads_kv) * head_dim
         columns = slot * head_dim
-        _store_partial(partial_ptr, acc1, tl.program_id(1), rows, row_ok, columns + d1, ok1, n_rows, n_cols)
-        _store_partial(partial_ptr, acc2, tl.program_id(1), rows, row_ok, columns + half + d1, ok1, n_rows, n_cols)
+        _store_partial(partial_ptr, acc1, rows, row_ok, columns + d1, ok1, n_rows, n_cols)
+        _store_partial(partial_ptr, acc2, rows, row_ok, columns + half + d1, ok1, n_rows, n_cols)
         if HAS_TAIL:
-            _store_partial(partial_ptr, acc_tail, tl.program_id(1), rows, row_ok, columns + tail, tail_ok, n_rows,
-                           n_cols)
+            _store_partial(partial_ptr, acc_tail, rows, row_ok, columns + tail, tail_ok, n_rows, n_cols)
         if HAS_NORM:  # [SPLIT_K, programs, M]: this program's row sums of squares over its chunk
             tl.store(squares_partial_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * n_rows + rows,
                      sum_of_squares, mask=row_ok)
@@ -708,9 +538,9 @@ def _qkv_rope_kernel(
 
 
 @triton.jit
-def _store_partial(partial_ptr, acc, split, rows, row_ok, cols, col_ok, n_rows, n_out):
-    """Split ``split``'s fp32 partial acc [BLOCK_M, len(cols)] into the [SPLIT_K, M, n_out] workspace."""
-    tl.store(partial_ptr + (split * n_rows + rows[:, None]) * n_out + cols[None, :], acc,
+def _store_partial(partial_ptr, acc, rows, row_ok, cols, col_ok, n_rows, n_out):
+    """Split program_id(1)'s fp32 partial acc [BLOCK_M, len(cols)] into the [SPLIT_K, M, n_out] workspace."""
+    tl.store(partial_ptr + (tl.program_id(1) * n_rows + rows[:, None]) * n_out + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -842,33 +672,6 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     return out
 
 
-def _post_attention_impl(attended: Tensor, o_weight: Tensor, o_bias: Tensor | None, residual: Tensor,
-                         norm_weight: Tensor | None, eps: float, gate_weight: Tensor, up_weight: Tensor | None,
-                         down_weight: Tensor, down_bias: Tensor | None, activation: str, offset: float) -> Tensor:
-    """The small-M persistent kernel: PROGRAMS_PER_SM programs per SM (under the interpreter, one per its one "SM")."""
-    x2, residual2 = as_rows(attended), as_rows(residual)
-    wo, wd = _unit_stride(o_weight), _unit_stride(down_weight)
-    gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
-    (n_rows, n_inner_o), hidden, intermediate = x2.shape, wo.shape[0], gate.shape[0]
-    h = new_output((n_rows, hidden), attended.dtype, attended.device)
-    gated = new_output((n_rows, intermediate), attended.dtype, attended.device)
-    out = new_output(residual.shape, attended.dtype, attended.device)
-    out2 = out.view(-1, hidden)
-    partials = new_output((MAX_SPLIT_K, n_rows, hidden), torch.float32, attended.device)
-    # a ticket per column block, then the queues' counters
-    counters = zeroed_counters(attended.device, hidden + QUEUE_COUNTERS)
-    grid = lambda meta: (sm_count(attended.device) * meta["PROGRAMS_PER_SM"],)  # noqa: E731
-    _post_attention_kernel[grid](
-        x2, wo, o_bias.contiguous() if o_bias is not None else wo, residual2, h,
-        norm_weight.contiguous() if norm_weight is not None else x2, gate, up, gated, wd,
-        down_bias.contiguous() if down_bias is not None else wd, out2, partials, counters, counters[hidden:],
-        n_rows, hidden, n_inner_o, intermediate, x2.stride(0), wo.stride(0), residual2.stride(0), h.stride(0),
-        gate.stride(0), up.stride(0), gated.stride(0), wd.stride(0), out2.stride(0), eps, offset,
-        HAS_O_BIAS=o_bias is not None, HAS_DOWN_BIAS=down_bias is not None, HAS_NORM=norm_weight is not None,
-        ACTIVATION=activation, BLOCK_M=_block_rows(n_rows), **dependent_launch(attended.device, n_rows))
-    return out
-
-
 def _head_blocks(head_dim: int, rotary_dim: int) -> dict:
     """The head-shape constexprs of the q/k/v kernels (tile sides >= 16, as tl.dot needs)."""
     tail = head_dim - rotary_dim
@@ -958,14 +761,8 @@ def _qkv_epilogue_fake(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin
     return q.new_empty((q.shape[0] // seq_len, num_heads, seq_len, k_cache.shape[-1]))
 
 
-def _post_attention_fake(attended, o_weight, o_bias, residual, norm_weight, eps, gate_weight, up_weight, down_weight,
-                         down_bias, activation, offset):
-    return residual.new_empty(residual.shape)
-
-
 LINEAR_RESIDUAL = FusedOp("linear_residual", _linear_residual_impl, fake=_linear_residual_fake)
 NORM_GATED_LINEAR = FusedOp("norm_gated_linear", _norm_gated_linear_impl, fake=_norm_gated_linear_fake)
-POST_ATTENTION_BLOCK = FusedOp("post_attention_block", _post_attention_impl, fake=_post_attention_fake)
 QKV_ROPE = FusedOp("qkv_rope", _qkv_rope_impl, fake=_qkv_rope_fake, mutates_args=("k_cache", "v_cache"))
 QKV_EPILOGUE = FusedOp("qkv_rope_epilogue", _qkv_epilogue_impl, fake=_qkv_epilogue_fake,
                        mutates_args=("k_cache", "v_cache"))
@@ -1077,69 +874,6 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     if up_weight is None:
         return _GATED_GLU[activation](F.linear(h, gate_weight))
     return _GATED_GLU[activation](F.linear(h, gate_weight), F.linear(h, up_weight))
-
-
-def post_attention_block(attended: Tensor, o_weight: Tensor, residual: Tensor, norm_weight: Tensor | None, eps: float,
-                         gate_weight: Tensor, up_weight: Tensor | None, down_weight: Tensor, *,
-                         o_bias: Tensor | None = None, down_bias: Tensor | None = None, activation: str = "silu",
-                         casting: str = "llama", offset: float = 0.0) -> Tensor:
-    """A decoder layer after its attention: ``h = residual + attended @ o_weight.T (+ o_bias)``, then
-    ``h + gated @ down_weight.T (+ down_bias)`` with ``gated = norm_gated_linear(h, norm_weight, ...)``.
-
-    Args:
-        attended: [..., A], the attention output (heads flattened), fp32/fp16/bf16; any strides.
-        o_weight: [H, A] (nn.Linear layout, read in place), attended's dtype and device; o_bias: optional [H].
-        residual: [..., H] (attended's leading shape), the residual stream before the attention; not modified.
-        norm_weight, eps, casting, offset: the post-attention RMSNorm's (None: no norm), as :func:`norm_gated_linear`.
-        gate_weight, up_weight, activation: the gated MLP's, as :func:`norm_gated_linear` (up_weight None: Phi-3's
-            packed [2I, H] gate_up).
-        down_weight: [H, I] (read in place); down_bias: optional [H].
-
-    Returns:
-        [..., H] in attended's dtype: the layer's output stream. Rounded where the three ops round (h, the gated
-        activation, the output). Up to ``LINEAR_RESIDUAL_MAX_ROWS`` rows (no input requiring grad, and for a norm
-        not fp16, which runs it first): one persistent kernel for all three projections; otherwise
-        :func:`linear_residual`, :func:`norm_gated_linear` and :func:`linear_residual` in turn.
-    """
-    check_tensor("attended", attended)
-    check_same_device("attended", attended, o_weight=o_weight, residual=residual, norm_weight=norm_weight,
-                      gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight, o_bias=o_bias,
-                      down_bias=down_bias)
-    _check_weight("o_weight", o_weight, attended)
-    hidden = o_weight.shape[0]
-    check_tensor("residual", residual)
-    check_same("attended", attended, residual=residual)
-    if residual.shape != (*attended.shape[:-1], hidden):
-        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {(*attended.shape[:-1], hidden)} "
-                         "(attended's leading shape, o_weight's N)")
-    _check_vector("o_bias", o_bias, hidden, attended)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _check_norm(casting, norm_weight, residual)
-    _check_weight("gate_weight", gate_weight, residual)
-    if up_weight is None:
-        if gate_weight.shape[0] % 2:
-            raise ValueError(f"gate_weight (packed gate_up, up_weight=None) must have an even first dimension, "
-                             f"got shape {tuple(gate_weight.shape)}")
-    else:
-        _check_weight("up_weight", up_weight, residual, gate_weight.shape[0])
-    intermediate = gate_weight.shape[0] // (2 if up_weight is None else 1)
-    check_tensor("down_weight", down_weight, rank=2)
-    check_same("attended", attended, down_weight=down_weight)
-    if down_weight.shape != (hidden, intermediate):
-        raise ValueError(f"down_weight has shape {tuple(down_weight.shape)}, expected [{hidden}, {intermediate}]")
-    _check_vector("down_bias", down_bias, hidden, attended)
-    n_rows = attended.numel() // attended.shape[-1] if attended.shape[-1] else 0
-    if (runs_triton(attended) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and hidden > 0 and intermediate > 0
-            and (norm_weight is None or _norm_in_prologue(attended, n_rows, GATED_PROLOGUE_NORM_MAX_ROWS))
-            and not _needs_grad(attended, o_weight, o_bias, residual, norm_weight, gate_weight, up_weight,
-                                down_weight, down_bias)):
-        return POST_ATTENTION_BLOCK(attended, o_weight, o_bias, residual, norm_weight, eps, gate_weight, up_weight,
-                                    down_weight, down_bias, activation, offset)
-    h = linear_residual(attended, o_weight, residual, o_bias)
-    gated = norm_gated_linear(h, norm_weight, eps, gate_weight, up_weight, activation=activation, casting=casting,
-                              offset=offset)
-    return linear_residual(gated, down_weight, h, down_bias)
 
 
 def _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,

@@ -10,9 +10,6 @@ A patched decoder layer called with a :class:`fuselm.generation.FusedKVCache` an
 4. ``norm_gated_linear``: the post-attention RMSNorm in the prologue, gate/up, the activation;
 5. ``linear_residual``: the down projection with the residual add.
 
-Where the o projection, the post-attention norm and the MLP are plain (below), 3-5 run as one op,
-``post_attention_block``: up to 32 rows one persistent kernel, so a layer's step is three launches.
-
 Layers with sandwich norms (Gemma 2/3) norm each branch before its residual add, which needs the whole output
 row: there the o and down projections run as plain GEMMs and the norms and adds around them as fuselm's
 add+norm. Each projection that is not a plain ``nn.Linear`` (a PEFT LoRA layer with an active, unmerged
@@ -26,21 +23,16 @@ shape that depends on the lengths, so the step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 from torch import Tensor, nn
 
 from fuselm.ops.attention import decode_attention
-from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, post_attention_block, qkv_rope
+from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rope import rope
 from fuselm.patching.families import AttentionFacts, attention_facts, family_of
 from fuselm.patching.modules import FusedGatedMLP, FusedRMSNorm, add_then_norm, hooked
 
 DECODE_MAX_TOKENS = 16  # new tokens per row up to which a step takes the fused decode path
-# Steps 3-5 as one op, post_attention_block (one persistent kernel up to 32 rows), where the layer's o projection,
-# norm and MLP allow it; False runs them as three ops (benchmarks compare the two)
-use_post_attention_block = os.environ.get("FUSELM_POST_ATTENTION_BLOCK", "1") != "0"
 ATTENTION_FACTS = "_fuselm_attention_facts"  # in a decoder layer's __dict__, computed on its first fused step
 _GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 
@@ -173,26 +165,6 @@ def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None) -> Tensor |
                              casting=casting, offset=offset)
 
 
-def _post_attention_weights(layer: nn.Module, facts: AttentionFacts, dtype) -> dict | None:
-    """post_attention_block's weights (keyword arguments) when the o projection, the post-attention norm and the
-    whole MLP take it: plain linears of ``dtype`` (gate/up without bias), a fused norm and MLP no hook watches;
-    else None (the three projections run one by one, each as a kernel or as its module)."""
-    mlp = layer.mlp
-    spec = mlp._fuselm_mlp if use_post_attention_block and isinstance(mlp, FusedGatedMLP) and not hooked(mlp) else None
-    norm = _norm_args(layer.post_attention_layernorm)
-    if spec is None or norm is None:
-        return None
-    o, down = plain_linear(getattr(layer.self_attn, facts.output)), plain_linear(getattr(mlp, spec.output))
-    gate_up = [plain_linear(getattr(mlp, name)) for name in spec.inputs]
-    linears = [o, down, *gate_up]
-    if None in linears or any(weight.dtype != dtype for weight, _ in linears) or any(b is not None for _, b in gate_up):
-        return None
-    norm_weight, eps, casting, offset = norm
-    return dict(o_weight=o[0], o_bias=o[1], norm_weight=norm_weight, eps=eps, gate_weight=gate_up[0][0],
-                up_weight=gate_up[1][0] if len(gate_up) == 2 else None, down_weight=down[0], down_bias=down[1],
-                activation=spec.activation, casting=casting, offset=offset)
-
-
 def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
                 facts: AttentionFacts) -> Tensor:
     """One fused decoder layer over ``cache``: hidden [B, T, hidden] (the residual stream) -> the new stream.
@@ -217,9 +189,6 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
         return residual + layer.post_feedforward_layernorm(out)
-    block = _post_attention_weights(layer, facts, attended.dtype)
-    if block is not None:
-        return post_attention_block(attended, residual=hidden, **block)
     residual = _project(getattr(attention, facts.output), attended, hidden)
     gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm)
     if gated is None:

@@ -320,7 +320,8 @@ def test_decode_step_profile_names_fuselm_ops():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         engine._decode_step(bucket, options)
     names = {event.name for event in profile.events()}
-    assert {"fuselm::qkv_rope", "fuselm::decode_attention", "fuselm::post_attention_block"} <= names
+    assert {"fuselm::qkv_rope", "fuselm::decode_attention", "fuselm::linear_residual",
+            "fuselm::norm_gated_linear"} <= names
 
 
 @pytest.mark.gpu

@@ -14,12 +14,7 @@ import torch
 import fuselm
 from fuselm.ops import decode_linear
 from fuselm.ops._common import counters, forced_config
-from fuselm.ops.decode_linear import (
-    linear_residual_reference,
-    norm_gated_linear_reference,
-    post_attention_block_reference,
-    qkv_rope_reference,
-)
+from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_close
 from tests.helpers import randn as randn_on
@@ -352,84 +347,6 @@ def test_empty_rows(path):
     assert fuselm.qkv_rope(*args, **options).shape == (0, 3, 3, 16)
 
 
-# ----------------------------------------------------------------------------------- post_attention_block
-def _post_attention_inputs(n_rows, dtype, *, attended_width=48, hidden=40, intermediate=56, packed=False,
-                           biases=False, norm="llama", contiguous=True):
-    """attended [M, A], its weights, the residual and the MLP's weights (o: [H, A], gate/up: [I, H] each or packed
-    [2I, H], down: [H, I]) as keyword arguments of post_attention_block."""
-    attended = _rows_input(n_rows, attended_width, dtype, contiguous)
-    gate_up = randn(2 * intermediate, hidden, dtype=dtype, scale=0.3)
-    casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
-    return dict(
-        attended=attended, o_weight=randn(hidden, attended_width, dtype=dtype, scale=0.3),
-        residual=_row_scaled(randn(n_rows, hidden, dtype=dtype)),
-        norm_weight=None if norm is None else 1 + 0.1 * randn(hidden, dtype=dtype), eps=1e-5,
-        gate_weight=gate_up if packed else gate_up[:intermediate].clone(),
-        up_weight=None if packed else gate_up[intermediate:].clone(),
-        down_weight=randn(hidden, intermediate, dtype=dtype, scale=0.2),
-        o_bias=randn(hidden, dtype=dtype) if biases else None, down_bias=randn(hidden, dtype=dtype) if biases else None,
-        casting=casting, offset=offset)
-
-
-def _check_post_attention(n_rows, dtype, activation="silu", **variant):
-    inputs = _post_attention_inputs(n_rows, dtype, **variant)
-    residual_before = inputs["residual"].clone()
-    with torch.no_grad():
-        out = fuselm.post_attention_block(**inputs, activation=activation)
-    expected = post_attention_block_reference(**{name: _double(t) if isinstance(t, torch.Tensor) else t
-                                                 for name, t in inputs.items()}, activation=activation)
-    assert out.dtype == dtype and out.shape == inputs["residual"].shape
-    assert torch.equal(inputs["residual"], residual_before)  # the caller's residual is not modified
-    assert not any(c.any() for c in counters.get(out.device, []))  # tickets and the barrier are back at zero
-    assert_close(out, expected, dtype)
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter: exp(large) = inf
-@pytest.mark.parametrize("n_rows", [1, 3, 17, 40])  # 40 > LINEAR_RESIDUAL_MAX_ROWS: the three ops in turn
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_post_attention_block_matches_float64(path, n_rows, dtype):
-    _check_post_attention(n_rows, dtype)
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("variant", [
-    {"packed": True, "biases": True}, {"norm": "gemma", "activation": "gelu_tanh"}, {"norm": None},
-    {"contiguous": False, "hidden": 23, "intermediate": 37, "attended_width": 29},  # odd sizes, strided input
-])
-def test_post_attention_block_variants(path, variant):
-    _check_post_attention(3, torch.bfloat16, **variant)
-
-
-def test_post_attention_block_runs_one_kernel_up_to_the_streaming_rows(monkeypatch):
-    """Up to LINEAR_RESIDUAL_MAX_ROWS rows one launch of the persistent kernel; above, the three ops. fp16 with a
-    norm runs the three ops too (the norm first)."""
-    calls = []
-    kernel_op = decode_linear.POST_ATTENTION_BLOCK
-    monkeypatch.setattr(decode_linear, "POST_ATTENTION_BLOCK", lambda *args: calls.append(args) or kernel_op(*args))
-    with fuselm.use_backend("triton"):
-        for n_rows, dtype in ((32, torch.bfloat16), (33, torch.bfloat16), (2, torch.float16)):
-            _check_post_attention(n_rows, dtype)
-    assert len(calls) == 1
-
-
-def test_post_attention_block_bad_input():
-    inputs = _post_attention_inputs(3, torch.float32)
-    for name, bad, error in [("residual", randn(3, 41), ValueError), ("o_weight", randn(40, 47), ValueError),
-                             ("down_weight", randn(40, 55), ValueError), ("o_bias", randn(39), ValueError),
-                             ("down_weight", randn(40, 56, dtype=torch.bfloat16), TypeError),
-                             ("gate_weight", randn(56, 39), ValueError), ("norm_weight", randn(39), ValueError)]:
-        with pytest.raises(error, match=name):
-            fuselm.post_attention_block(**{**inputs, name: bad})
-    with pytest.raises(ValueError, match="activation"):
-        fuselm.post_attention_block(**inputs, activation="relu")
-
-
-def _check_post_attention_configs():
-    # bf16: at fp32 the 4-stage configs' tiles exceed an H200's shared memory (the autotuner skips them there)
-    for n_rows, dtype in ((1, torch.bfloat16), (17, torch.bfloat16)):
-        _check_post_attention(n_rows, dtype, hidden=72, intermediate=100, attended_width=600, biases=n_rows == 1)
-
-
 # ----------------------------------------------------------------------------------- every autotune config
 # The forced-config checks use shapes every config fits on an H200 (shared memory: fp32 only where a config's
 # tiles are small enough; the autotuner skips the configs that do not fit a shape, a forced config cannot).
@@ -453,7 +370,6 @@ DECODE_CONFIG_CHECKS = [  # (name, the kernel whose configs are forced, a check 
     ("norm_gated", decode_linear._norm_gated_kernel, _check_streaming_configs),
     ("qkv_rope_split", decode_linear._qkv_rope_split, lambda: _check_qkv_configs(False)),
     ("qkv_rope_whole", decode_linear._qkv_rope_whole, lambda: _check_qkv_configs(True)),
-    ("post_attention", decode_linear._post_attention_kernel, _check_post_attention_configs),
     ("qkv_epilogue", decode_linear._qkv_epilogue_kernel,
      lambda: _check_qkv(2, 40, torch.float32, head_norm=True, rotary_dim=10, packed=True)),
 ]
@@ -529,31 +445,3 @@ def test_torch_compile_traces_the_fused_ops_without_graph_breaks():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     for got, expected in zip(compiled_args[8:10], args[8:10]):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_rows", [1, 8, 32])
-def test_llama_sized_post_attention_block_matches_float64(n_rows):
-    """Llama-3-8B's widths (hidden 4096, intermediate 14336) through the persistent kernel: every SM a program, long
-    K loops, split-K tickets in phases 1 and 3, and two launches that agree bit for bit."""
-    _check_post_attention(n_rows, torch.bfloat16, attended_width=4096, hidden=4096, intermediate=14336)
-    inputs = _post_attention_inputs(n_rows, torch.bfloat16, attended_width=4096, hidden=4096, intermediate=14336)
-    with torch.no_grad():
-        assert torch.equal(fuselm.post_attention_block(**inputs), fuselm.post_attention_block(**inputs))
-
-
-@pytest.mark.gpu
-def test_post_attention_block_replays_in_a_cuda_graph():
-    """One captured call replayed with new attended and residual rows: the output matches eager calls exactly."""
-    inputs = _post_attention_inputs(4, torch.bfloat16, attended_width=1024, hidden=1024, intermediate=2816,
-                                    biases=True)
-    with torch.no_grad():
-        fuselm.post_attention_block(**inputs)  # warm-up: compiles and autotunes
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = fuselm.post_attention_block(**inputs)
-        for _ in range(3):
-            inputs["attended"].copy_(randn(4, 1024, dtype=torch.bfloat16))
-            inputs["residual"].copy_(randn(4, 1024, dtype=torch.bfloat16))
-            graph.replay()
-            torch.testing.assert_close(static_out, fuselm.post_attention_block(**inputs), rtol=0, atol=0)

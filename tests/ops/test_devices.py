@@ -43,13 +43,6 @@ def _cases(device: str) -> dict:
             lambda x, norm_weight, gate_weight, up_weight: fuselm.norm_gated_linear(x, norm_weight, 1e-6, gate_weight,
                                                                                    up_weight),
             {"x": r(2, 24), "norm_weight": r(24), "gate_weight": r(30, 24), "up_weight": r(30, 24)}, ()),
-        "post_attention_block": (
-            lambda attended, o_weight, residual, norm_weight, gate_weight, up_weight, down_weight, o_bias, down_bias:
-            fuselm.post_attention_block(attended, o_weight, residual, norm_weight, 1e-6, gate_weight, up_weight,
-                                        down_weight, o_bias=o_bias, down_bias=down_bias),
-            {"attended": r(2, 24), "o_weight": r(40, 24), "residual": r(2, 40), "norm_weight": r(40),
-             "gate_weight": r(30, 40), "up_weight": r(30, 40), "down_weight": r(40, 30), "o_bias": r(40),
-             "down_bias": r(40)}, ()),
         "qkv_rope": (
             lambda x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
             q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight: fuselm.qkv_rope(

@@ -30,7 +30,7 @@ KERNELS = {  # every kernel fuselm launches: a new one belongs here and in the l
     "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dweight_sum_kernel", "_rope_kernel", "_glu_fwd_kernel",
     "_glu_bwd_kernel", "_cross_entropy_partials_kernel", "_cross_entropy_finish_kernel", "_cross_entropy_bwd_kernel",
     "_scale_kernel", "_decode_attention_kernel", "_linear_residual_kernel", "_norm_gated_kernel", "_qkv_rope_kernel",
-    "_post_attention_kernel", "_qkv_epilogue_kernel"}
+    "_qkv_epilogue_kernel"}
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.int64: "i64", torch.int32: "i32"}
 
