@@ -37,36 +37,6 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) and type(model).__module__.startswith("peft") else model
 
 
-def model_reason(model: nn.Module) -> str | None:
-    """Why fuselm's loop cannot run ``model`` (already patched), or None."""
-    from fuselm.ops.attention import HEAD_DIMS
-    from fuselm.patching.decode import layer_facts
-    from fuselm.patching.modules import FusedDecoderLayer
-
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False) or model.get_output_embeddings() is None:
-        return f"{type(model).__name__} is not a decoder-only causal LM"
-    if model.training:
-        return "the model is in training mode (call model.eval())"
-    device = next(model.parameters()).device
-    if device.type not in ("cpu", "cuda"):
-        return f"the model is on {device.type}"
-    if any(p.device != device for p in model.parameters()):
-        return "the model's parameters span several devices"
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers:
-        return "the model has no decoder layers fuselm recognises"
-    for layer in layers:
-        if not isinstance(layer, FusedDecoderLayer):
-            return f"decoder layer {type(layer).__name__} is not fused by fuselm.patch"
-        facts = layer_facts(layer)
-        if facts is None:
-            return f"decoder layer {type(layer).__name__}: its attention cannot be read"
-        if facts.head_dim not in HEAD_DIMS:
-            return f"head_dim {facts.head_dim} is not one of decode_attention's {HEAD_DIMS}"
-    return None
-
-
 def _check_inputs(input_ids: object, attention_mask: object) -> None:
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -94,7 +64,8 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     options = read_options(model, input_ids.shape[1], generation_config, kwargs)
     if isinstance(options, str):
         return None, options
-    reason = model_reason(model)
+    engine = engine_of(model)
+    reason = engine.model_reason()
     if reason is not None:
         return None, reason
     if attention_mask is not None:
@@ -102,7 +73,7 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
         if not bool((attention_mask.long().diff(dim=-1) >= 0).all()):
             return None, "attention_mask has padding after a real token (only left padding is supported)"
     device = next(model.parameters()).device
-    return engine_of(model).run(input_ids.to(device), attention_mask, options, streamer), None
+    return engine.run(input_ids.to(device), attention_mask, options, streamer), None
 
 
 def hf_generate(model: nn.Module, *args, **kwargs):

@@ -53,9 +53,45 @@ def _cache_keyword(model: nn.Module) -> str:
 
 
 def _fingerprint(model: nn.Module) -> tuple:
-    """What a captured step depends on beyond its buffers: every parameter's storage and the modules' classes."""
-    return (get_backend(), tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters()),
-            tuple(type(m) for m in model.modules()))
+    """What a captured step and :func:`model_reason` depend on beyond the buffers, in one walk over the modules:
+    fuselm's backend, the model's mode, every module's class and every parameter's storage, dtype, shape and device."""
+    classes, parameters = [], []
+    for module in model.modules():
+        classes.append(type(module))
+        parameters.extend((p.data_ptr(), p.dtype, p.shape, p.device)
+                          for p in module._parameters.values() if p is not None)
+    return get_backend(), model.training, tuple(classes), tuple(parameters)
+
+
+def model_reason(model: nn.Module) -> str | None:
+    """Why fuselm's loop cannot run ``model`` (already patched), or None. Depends only on what
+    :func:`_fingerprint` holds (and the config, fixed for a model)."""
+    from fuselm.ops.attention import HEAD_DIMS
+    from fuselm.patching.decode import layer_facts
+    from fuselm.patching.modules import FusedDecoderLayer
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or model.get_output_embeddings() is None:
+        return f"{type(model).__name__} is not a decoder-only causal LM"
+    if model.training:
+        return "the model is in training mode (call model.eval())"
+    device = next(model.parameters()).device
+    if device.type not in ("cpu", "cuda"):
+        return f"the model is on {device.type}"
+    if any(p.device != device for p in model.parameters()):
+        return "the model's parameters span several devices"
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        return "the model has no decoder layers fuselm recognises"
+    for layer in layers:
+        if not isinstance(layer, FusedDecoderLayer):
+            return f"decoder layer {type(layer).__name__} is not fused by fuselm.patch"
+        facts = layer_facts(layer)
+        if facts is None:
+            return f"decoder layer {type(layer).__name__}: its attention cannot be read"
+        if facts.head_dim not in HEAD_DIMS:
+            return f"head_dim {facts.head_dim} is not one of decode_attention's {HEAD_DIMS}"
+    return None
 
 
 class _Bucket:
@@ -79,6 +115,8 @@ class DecodeEngine:
         self._pool = None  # one CUDA-graph memory pool for every bucket's graphs (they never replay concurrently)
         self._cache_keyword = _cache_keyword(model)
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        self._fingerprint: tuple | None = None  # the model's at the last model_reason() call,
+        self._reason: str | None = None  # and model_reason's answer for it
 
     @property
     def model(self) -> nn.Module:
@@ -88,8 +126,17 @@ class DecodeEngine:
         return model
 
     # ------------------------------------------------------------------ one call
+    def model_reason(self) -> str | None:
+        """:func:`model_reason` of the model, computed again only when its fingerprint changed since the last call:
+        one walk over the modules per call (the host's time before the prefill is the first token's)."""
+        fingerprint = _fingerprint(self.model)
+        if fingerprint != self._fingerprint:
+            self._reason, self._fingerprint = model_reason(self.model), fingerprint
+        return self._reason
+
     def run(self, input_ids: Tensor, attention_mask: Tensor | None, options: DecodeOptions, streamer=None):
-        """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options."""
+        """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options. Call it after
+        :meth:`model_reason` found nothing, which took the fingerprint the captured steps are checked against."""
         batch, prompt_len = input_ids.shape
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -134,7 +181,7 @@ class DecodeEngine:
             self._buckets.pop(rows, None)
             del bucket  # free the old cache and graphs before allocating the new ones
             bucket = self._buckets[rows] = _Bucket(model, rows, length, model.get_output_embeddings().out_features)
-        fingerprint = _fingerprint(model)
+        fingerprint = self._fingerprint if self._fingerprint is not None else _fingerprint(model)
         if bucket.fingerprint != fingerprint:
             bucket.graphs.clear()
             bucket.rotary.clear()

@@ -368,3 +368,27 @@ def test_a_model_the_caller_patched_stays_patched():
     with pytest.warns(UserWarning, match="is not fused by fuselm.patch"):
         fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, do_sample=False)
     assert [type(m) for m in model.modules()] == classes
+
+
+def test_the_model_check_follows_changes_between_calls():
+    """The loop's model check is cached between calls but redone when the model changed: its mode, a module's class
+    (a decoder layer unpatched), a parameter (a new weight)."""
+    model = decode_model("llama")
+    fuselm.patch(model)
+    ids, mask = left_padded()
+    asked = dict(max_new_tokens=3, do_sample=False)
+    expected = hf_generate(model, ids, mask, **asked)
+    assert torch.equal(fused_generate(model, ids, mask, **asked), expected)
+    model.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked)
+    model.eval()
+    assert torch.equal(fused_generate(model, ids, mask, **asked), expected)
+    layer = next(m for m in model.modules() if isinstance(m, FusedDecoderLayer))
+    fuselm.unpatch(layer)
+    with pytest.warns(UserWarning, match="is not fused by fuselm.patch"):
+        fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked)
+    fuselm.patch(model)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+    assert torch.equal(fused_generate(model, ids, mask, **asked), hf_generate(model, ids, mask, **asked))
