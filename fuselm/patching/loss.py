@@ -15,6 +15,10 @@ enabled) and returns a ``ModelOutput``; it then
 - returns the family's ``CausalLMOutputWithPast`` with ``logits=None`` and the decoder's cache,
   hidden states and attentions.
 
+An inference call (no labels) whose int ``logits_to_keep`` would slice the last k of T > k positions of
+several rows passes those positions to HF's forward as an index tensor instead: the same logits, but
+``lm_head`` reads rows gathered contiguous rather than a strided view (:func:`_gathered_positions`).
+
 Anything else runs HF's forward unchanged: no labels, eval mode or no grad (evaluation, ``generate``
 and anything else that wants logits), ``return_dict=False``, and every model whose loss this path
 cannot honour (:func:`loss_unsupported_reason`: an ``lm_head`` that is not a plain hook-free
@@ -170,8 +174,25 @@ def _wants_output_object(model: nn.Module, kwargs: dict) -> bool:
     return bool(getattr(model.config, "return_dict", True) if return_dict is None else return_dict)
 
 
+def _gathered_positions(call: dict, spec: _ForwardSpec) -> Tensor | None:
+    """``logits_to_keep`` as an index tensor when it is an int k that would slice the last k of T > k positions
+    of a batch of rows, else None. HF's int slice of [B, T, H] is a strided view whose rows lie T * H apart;
+    cuBLAS's lm_head over it ran 28x slower than over the same rows gathered (H200, B = 32, T = 512: 7.83 ms
+    against 0.28); the index gathers them, the logits are the same."""
+    keep = call.get("logits_to_keep", spec.logits_to_keep_default)
+    tokens = call.get("input_ids") if call.get("inputs_embeds") is None else call.get("inputs_embeds")
+    if (isinstance(keep, bool) or not isinstance(keep, int) or keep <= 0 or not isinstance(tokens, Tensor)
+            or tokens.dim() < 2 or tokens.shape[0] < 2 or tokens.shape[1] <= keep):
+        return None
+    return torch.arange(tokens.shape[1] - keep, tokens.shape[1], device=tokens.device)
+
+
 def _fused_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwargs: dict):
     call = _bind(spec, args, kwargs)
+    if call is not None and call.get("labels") is None:
+        positions = _gathered_positions(call, spec)
+        if positions is not None:
+            return spec.original(model, **{**call, "logits_to_keep": positions})
     if (call is None or call.get("labels") is None or not (model.training and torch.is_grad_enabled())
             or not _wants_output_object(model, kwargs) or _call_reason(model) is not None):
         return spec.original(model, *args, **kwargs)

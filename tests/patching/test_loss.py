@@ -304,6 +304,31 @@ def test_eval_no_grad_tuples_and_no_labels_run_hf_forward_unchanged(path, fused_
         assert (out.get("loss") is None and expected.get("loss") is None) or torch.equal(out["loss"], expected["loss"])
 
 
+@pytest.mark.parametrize("keep", [1, 3])
+def test_logits_to_keep_of_a_batch_reaches_lm_head_gathered(path, keep, fused_calls):
+    """Inference with an int logits_to_keep: the same logits as HF, from rows gathered contiguous (HF's slice
+    is a strided view, over which cuBLAS ran the lm_head 28x slower); one row or all positions stay a slice."""
+    model = training_model("llama").eval()
+    ids = token_ids()  # [2, 9]
+    seen = []
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    try:
+        for case in (dict(input_ids=ids), dict(inputs_embeds=model.get_input_embeddings()(ids))):
+            expected = model(**case, logits_to_keep=keep).logits
+            with fused(model):
+                out = model(**case, logits_to_keep=keep).logits
+            assert out.shape == expected.shape == (2, keep, VOCAB)
+            assert torch.equal(out, expected)
+            assert seen[-2:] == [False, True]
+        with fused(model):
+            model(ids[:1], logits_to_keep=keep)  # one row: the slice is already contiguous
+            model(ids[:, :keep], logits_to_keep=keep)  # keeps every position: no slice at all
+    finally:
+        handle.remove()
+    assert seen[-2:] == [True, True]
+    assert len(fused_calls) == 0
+
+
 def test_generate_is_unaffected(path, fused_calls):
     model = training_model("phi3").eval()
     prompt = token_ids(batch=2, seq_len=4)
