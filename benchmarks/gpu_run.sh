@@ -3,7 +3,8 @@
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
-# config sweep, (FUSELM_STEP=1) a captured decode step's kernels and (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
+# config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep and
+# (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -51,6 +52,9 @@ if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as 
 fi
 if [ "${FUSELM_STEP:-0}" = 1 ]; then  # one captured decode step of fuselm.generate, kernel by kernel
   python3 benchmarks/step_profile.py --out "$out/step-profile-h200.json" 2>&1 | tee "$out/step-profile.log"
+fi
+if [ "${FUSELM_STREAM:-0}" = 1 ]; then  # the projections' weight stream alone (tiles, split-K, pointer loads vs TMA)
+  python3 benchmarks/stream_bench.py --out "$out/stream-h200.json" 2>&1 | tee "$out/stream.log" | tail -n 12
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"

@@ -1,0 +1,36 @@
+"""benchmarks/stream_bench.py in smoke mode: on a CPU through the interpreter (on a GPU, compiled), both loads of the
+weight stream (pointer tiles and a TMA descriptor) at two split-K settings sum to W @ x over odd sizes, from partials
+poisoned with NaN beforehand."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fuselm.backend import INTERPRETING
+from tests.conftest import HAS_CUDA
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def stream_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own import: timing
+    spec = importlib.util.spec_from_file_location("stream_bench", BENCHMARKS / "stream_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not (INTERPRETING or HAS_CUDA), reason="needs the interpreter or a GPU")
+def test_every_stream_sums_to_w_at_x(stream_bench):
+    device = "cuda" if HAS_CUDA and not INTERPRETING else "cpu"
+    configs = stream_bench.configs(smoke=True)
+    rows = stream_bench.rows_for("small", stream_bench.SMOKE_SHAPES["small"], configs, copy=1.0, device=device)
+    streams = [row for row in rows if row["what"] == "stream"]
+    assert [(row["load"], row["SPLIT_K"]) for row in streams] == [
+        (load, config["SPLIT_K"]) for load in stream_bench.LOADS for config in configs]
+    for row in streams:
+        assert "error" not in row, row
+        assert row["rel_err"] < 1e-5, row  # fp32 sums of bf16 products: rounding only
+    assert [row["what"] for row in rows].count("read") == 1
