@@ -174,15 +174,20 @@ def _wants_output_object(model: nn.Module, kwargs: dict) -> bool:
     return bool(getattr(model.config, "return_dict", True) if return_dict is None else return_dict)
 
 
-def _gathered_positions(call: dict, spec: _ForwardSpec) -> Tensor | None:
+def _gathered_positions(model: nn.Module, call: dict, spec: _ForwardSpec) -> Tensor | None:
     """``logits_to_keep`` as an index tensor when it is an int k that would slice the last k of T > k positions
     of a batch of rows, else None. HF's int slice of [B, T, H] is a strided view whose rows lie T * H apart;
     cuBLAS's lm_head over it ran 28x slower than over the same rows gathered (H200, B = 32, T = 512: 7.83 ms
-    against 0.28); the index gathers them, the logits are the same."""
+    against 0.28); the index gathers them, the logits are the same. Only for a model on one device: the index is
+    made on the tokens' device, and a model spread by ``device_map`` has its last hidden state elsewhere."""
     keep = call.get("logits_to_keep", spec.logits_to_keep_default)
     tokens = call.get("input_ids") if call.get("inputs_embeds") is None else call.get("inputs_embeds")
     if (isinstance(keep, bool) or not isinstance(keep, int) or keep <= 0 or not isinstance(tokens, Tensor)
             or tokens.dim() < 2 or tokens.shape[0] < 2 or tokens.shape[1] <= keep):
+        return None
+    head = getattr(model, "lm_head", None)
+    spread = len({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
+    if spread or not isinstance(getattr(head, "weight", None), Tensor) or head.weight.device != tokens.device:
         return None
     return torch.arange(tokens.shape[1] - keep, tokens.shape[1], device=tokens.device)
 
@@ -190,7 +195,7 @@ def _gathered_positions(call: dict, spec: _ForwardSpec) -> Tensor | None:
 def _fused_forward(model: nn.Module, spec: _ForwardSpec, args: tuple, kwargs: dict):
     call = _bind(spec, args, kwargs)
     if call is not None and call.get("labels") is None:
-        positions = _gathered_positions(call, spec)
+        positions = _gathered_positions(model, call, spec)
         if positions is not None:
             return spec.original(model, **{**call, "logits_to_keep": positions})
     if (call is None or call.get("labels") is None or not (model.training and torch.is_grad_enabled())

@@ -323,9 +323,14 @@ def test_logits_to_keep_of_a_batch_reaches_lm_head_gathered(path, keep, fused_ca
         with fused(model):
             model(ids[:1], logits_to_keep=keep)  # one row: the slice is already contiguous
             model(ids[:, :keep], logits_to_keep=keep)  # keeps every position: no slice at all
+        assert seen[-2:] == [True, True]
+        model.hf_device_map = {"model": 0, "lm_head": 1}  # spread by device_map: the last hidden state is elsewhere
+        expected = model(ids, logits_to_keep=keep).logits
+        with fused(model):
+            out = model(ids, logits_to_keep=keep).logits
+        assert torch.equal(out, expected) and seen[-1] is False  # HF's own slice, as unpatched
     finally:
         handle.remove()
-    assert seen[-2:] == [True, True]
     assert len(fused_calls) == 0
 
 
