@@ -178,17 +178,18 @@ def _gathered_positions(model: nn.Module, call: dict, spec: _ForwardSpec) -> Ten
     """``logits_to_keep`` as an index tensor when it is an int k that would slice the last k of T > k positions
     of a batch of rows, else None. HF's int slice of [B, T, H] is a strided view whose rows lie T * H apart;
     cuBLAS's lm_head over it ran 28x slower than over the same rows gathered (H200, B = 32, T = 512: 7.83 ms
-    against 0.28); the index gathers them, the logits are the same. Only for a model on one device: the index is
-    made on the tokens' device, and a model spread by ``device_map`` has its last hidden state elsewhere."""
+    against 0.28); the index gathers them, the logits are the same. Only for a model on one device with a plain
+    head weight: the index is made on the tokens' device, and a model spread by ``device_map`` has its last hidden
+    state elsewhere."""
     keep = call.get("logits_to_keep", spec.logits_to_keep_default)
     tokens = call.get("input_ids") if call.get("inputs_embeds") is None else call.get("inputs_embeds")
     if (isinstance(keep, bool) or not isinstance(keep, int) or keep <= 0 or not isinstance(tokens, Tensor)
             or tokens.dim() < 2 or tokens.shape[0] < 2 or tokens.shape[1] <= keep):
         return None
-    head = getattr(model, "lm_head", None)
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
     spread = len({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
-    if spread or not isinstance(getattr(head, "weight", None), Tensor) or head.weight.device != tokens.device:
-        return None
+    if spread or type(weight) not in (nn.Parameter, Tensor) or weight.device != tokens.device:
+        return None  # spread over devices, or a sharded (DTensor) or quantised head: HF's slice as it is
     return torch.arange(tokens.shape[1] - keep, tokens.shape[1], device=tokens.device)
 
 
