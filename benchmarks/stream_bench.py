@@ -48,31 +48,25 @@ def _x_tile(x_ptr, rows, cols_k, n_inner):
 
 
 @triton.jit
-def _pointer_stream_kernel(w_ptr, x_ptr, partial_ptr, n_out, n_inner, stride_wn, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Program (n, s) owns weight rows [n * BLOCK_N, +BLOCK_N) over K chunk s of SPLIT_K: reads that block of W once
-    # (pointer loads of [BLOCK_K, BLOCK_N] transposed tiles) and x's chunk (L2), writes BLOCK_N fp32 partial sums.
-    cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = cols_n < n_out
-    rows = tl.arange(0, 16)
-    chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(1) * chunk
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
-        cols_k = start + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, rows, cols_k, n_inner)
-        w = tl.load(w_ptr + cols_n[None, :] * stride_wn + cols_k[:, None],
-                    mask=col_ok[None, :] & (cols_k[:, None] < n_inner), other=0.0)
-        acc = _dot(x, w, acc)
-    tl.store(partial_ptr + tl.program_id(1) * n_out + cols_n[None, :] + rows[:, None] * 0, acc,
-             mask=(rows[:, None] == 0) & col_ok[None, :])
+def _weight_tile(w, n_lo, k_lo, n_out, n_inner, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TMA: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[n_lo:+BLOCK_N, k_lo:+BLOCK_K].T (zeros past W's edges): w is a pointer (pointer
+    loads of the transposed tile) or, with TMA, a descriptor whose [BLOCK_N, BLOCK_K] box is loaded and transposed."""
+    if TMA:
+        tile = tl.trans(w.load([n_lo, k_lo]))
+    else:
+        cols_n = n_lo + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols_k = k_lo + tl.arange(0, BLOCK_K)
+        tile = tl.load(w + cols_n[None, :] * stride_wn + cols_k[:, None],
+                       mask=(cols_n[None, :] < n_out) & (cols_k[:, None] < n_inner), other=0.0)
+    return tile
 
 
 @triton.jit
-def _descriptor_stream_kernel(w_desc, x_ptr, partial_ptr, n_out, n_inner, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # As _pointer_stream_kernel, the [BLOCK_N, BLOCK_K] weight tiles through the TMA descriptor w_desc (rows past
-    # n_out and columns past n_inner come in as zeros).
+def _stream_kernel(w, x_ptr, partial_ptr, n_out, n_inner, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, TMA: tl.constexpr):
+    # Program (n, s) owns weight rows [n * BLOCK_N, +BLOCK_N) over K chunk s of SPLIT_K: reads that block of W once
+    # ([BLOCK_K, BLOCK_N] tiles, by pointer loads or TMA) and x's chunk (L2), writes BLOCK_N fp32 partial sums.
     n_lo = tl.program_id(0) * BLOCK_N
     cols_n = n_lo + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
@@ -80,10 +74,8 @@ def _descriptor_stream_kernel(w_desc, x_ptr, partial_ptr, n_out, n_inner, BLOCK_
     k_lo = tl.program_id(1) * chunk
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
-        cols_k = start + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, rows, cols_k, n_inner)
-        w = w_desc.load([n_lo, start])
-        acc = _dot(x, tl.trans(w), acc)
+        x = _x_tile(x_ptr, rows, start + tl.arange(0, BLOCK_K), n_inner)
+        acc = _dot(x, _weight_tile(w, n_lo, start, n_out, n_inner, stride_wn, BLOCK_N, BLOCK_K, TMA), acc)
     tl.store(partial_ptr + tl.program_id(1) * n_out + cols_n[None, :] + rows[:, None] * 0, acc,
              mask=(rows[:, None] == 0) & (cols_n[None, :] < n_out))
 
@@ -109,17 +101,17 @@ def configs(smoke: bool) -> list[dict]:
 
 
 def stream(load: str, weights: list[torch.Tensor], x: torch.Tensor, partial: torch.Tensor, config: dict):
-    """A callable launching the stream kernel once per weight copy; None where the load kind is unavailable."""
+    """A callable launching the stream kernel once per weight copy."""
     n_out, n_inner = weights[0].shape
     meta = dict(config)
     grid = (triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])
     if load == "pointer":
-        return lambda: [_pointer_stream_kernel[grid](w, x, partial, n_out, n_inner, w.stride(0), **meta)
+        return lambda: [_stream_kernel[grid](w, x, partial, n_out, n_inner, w.stride(0), TMA=False, **meta)
                         for w in weights]
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     descriptors = [TensorDescriptor.from_tensor(w, [meta["BLOCK_N"], meta["BLOCK_K"]]) for w in weights]
-    return lambda: [_descriptor_stream_kernel[grid](d, x, partial, n_out, n_inner, **meta) for d in descriptors]
+    return lambda: [_stream_kernel[grid](d, x, partial, n_out, n_inner, 0, TMA=True, **meta) for d in descriptors]
 
 
 def check(partial: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> float:
