@@ -1,7 +1,7 @@
 """Decode attention rows for ``decode_bench.py``: fuselm.decode_attention against SDPA's flash and cuDNN backends.
 
     python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4] [--sweep-attention-configs]
-        [--sweep-min-split-positions 32 64 128 256]
+        [--sweep-min-split-positions 32 64 128 256] [--sweep-splits 1 2 3 4 6]
 
 Llama-3-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16), one query per row (T = 1), at B = 1 x L = 32768 and
 B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2). fuselm reads the whole
@@ -78,15 +78,15 @@ def implementations(heads: Heads, batch: int, context: int, valid: int) -> dict[
     return calls
 
 
-def time_shape(heads: Heads, batch: int, context: int, valid: int, copy_gbps: float, only: str | None = None,
-               label: str = "") -> list[dict]:
-    """One row per implementation (or only ``only``), each with its error relative to fuselm's output."""
+def time_shape(heads: Heads, batch: int, context: int, valid: int, copy_gbps: float,
+               only: tuple[str, ...] = (), label: str = "") -> list[dict]:
+    """One row per implementation (or per one of ``only``), each with its error relative to fuselm's output."""
     kv_bytes = 2 * batch * heads.kv_heads * valid * heads.head_dim * BF16.itemsize
     rows = []
     calls = implementations(heads, batch, context, valid)
     reference = calls["fuselm"]()
     for impl, call in calls.items():
-        if only and impl != only:
+        if only and impl not in only:
             continue
         impl += label
         try:
@@ -125,14 +125,14 @@ def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[
             attention.PROGRAMS_PER_SM = factor
             for batch, context in shapes:
                 for valid in (context, context // 2):
-                    out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_pps{factor}")
+                    out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_pps{factor}")
     finally:
         attention.PROGRAMS_PER_SM = chosen
     for index in range(len(attention._decode_attention.configs) if sweep_configs else 0):
         with forced_config(attention._decode_attention, index):
             for batch, context in shapes:
                 for valid in (context, context // 2):
-                    out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_cfg{index}")
+                    out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_cfg{index}")
     return out
 
 
@@ -148,9 +148,36 @@ def split_rows(copy_gbps: float, values: tuple[int, ...], *, smoke: bool = False
         for value in values:
             attention.MIN_SPLIT_POSITIONS = value
             for batch, context, valid in shapes:
-                out += time_shape(heads, batch, context, valid, copy_gbps, only="fuselm", label=f"_msp{value}")
+                out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_msp{value}")
     finally:
         attention.MIN_SPLIT_POSITIONS = chosen
+    return out
+
+
+# (batch, L, valid) at B = 32: fuselm.generate's bucket for a 512-token prompt and 256 new tokens (L = 768; valid 513
+# at its first step, 640 on average), and the layer step's 1024 context (L = 2 x 1024). Its (row, kv head) units (256)
+# outnumber the SMs, so _num_splits gives one split, and a program loops over the whole row.
+B32_SHAPES = [(32, 768, 513), (32, 768, 640), (32, 2048, 1024)]
+
+
+def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, smoke: bool = False) -> list[dict]:
+    """At B = 32's short rows: fuselm with its own split count and cuDNN's GQA, then fuselm with the split count
+    forced to each of ``splits`` (impl ``fuselm_splitN``; the autotuner picks each one's config). Whether a row of a
+    few hundred positions wants splits even where the units alone fill the SMs. Nothing without ``splits``."""
+    if not splits:
+        return []
+    heads, shapes = (SMOKE, [(2, 64, 40)]) if smoke else (LLAMA3_8B, B32_SHAPES)
+    out = []
+    for batch, context, valid in shapes:
+        out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm", "sdpa_cudnn_gqa"))
+    chosen = attention._num_splits
+    try:
+        for value in splits:
+            attention._num_splits = lambda *shape, value=value: value
+            for batch, context, valid in shapes:
+                out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_split{value}")
+    finally:
+        attention._num_splits = chosen
     return out
 
 

@@ -4,7 +4,8 @@
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
 # config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep and
-# (FUSELM_DECODE=1) the decode benchmark; prints a short table last.
+# (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g. "--only attention
+# --sweep-splits 1 2 3 4"); prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/.
 set -uo pipefail
@@ -57,5 +58,5 @@ if [ "${FUSELM_STREAM:-0}" = 1 ]; then  # the projections' weight stream alone (
   python3 benchmarks/stream_bench.py --out "$out/stream-h200.json" 2>&1 | tee "$out/stream.log" | tail -n 12
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
-  python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" 2>&1 | tee "$out/decode.log"
+  python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
 fi
