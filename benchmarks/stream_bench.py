@@ -2,17 +2,18 @@
 
 The decode projections run at t = ~5 us + bytes / 3.90 TB/s against a copy rate of ~4.22 TB/s (benchmarks/NOTES.md,
 "Split-K"): both the fixed cost and the stream rate stand between the layer step and 85 % of its bound. This times
-the stream alone, with nothing else in the kernel: y = W @ x at M = 1 (x as the first row of a 16-row tile, as the
-decode kernels pad it), each program owning BLOCK_N weight rows over 1 / SPLIT_K of K and writing its fp32 partial
-(no combine, no epilogue). Per config and weight shape, the weight tiles come in either as pointer loads (what the
-decode kernels do: cp.async on sm_90) or through a host-made TMA descriptor (``TensorDescriptor``), and a plain
-read-only stream of the same bytes (one contiguous block per program, summed) gives the read ceiling.
+the stream alone, with nothing else in the kernel: y = x @ W.T for M = 1 (x padded to a 16-row tile, as the decode
+kernels pad it) or M = 32 rows of x (``--rows``: where every projection streams slower than at M = 1), each program
+owning BLOCK_N weight rows over 1 / SPLIT_K of K and writing its fp32 partial (no combine, no epilogue). Per config,
+weight shape and M, the weight tiles come in either as pointer loads (what the decode kernels do: cp.async on sm_90)
+or through a host-made TMA descriptor (``TensorDescriptor``), and a plain read-only stream of the same bytes (one
+contiguous block per program, summed) gives the read ceiling.
 
 Each row is a CUDA-graph replay over enough weight copies to cover 3 x L2, divided by the copies: a launch's whole
 time, ramp and tail included. Two weight sizes per shape of K (o 4096 x 4096 and gate/up 28672 x 4096; down
 4096 x 14336) let a line through t = fixed + bytes / rate split the two.
 
-    python benchmarks/stream_bench.py --out benchmarks/results/stream-h200.json
+    python benchmarks/stream_bench.py --out benchmarks/results/stream-h200.json [--rows 1 32]
     python benchmarks/stream_bench.py --smoke          # tiny shapes, any device (the interpreter on a CPU)
 """
 
@@ -33,7 +34,6 @@ from fuselm.backend import INTERPRETING
 from fuselm.ops.decode_linear import _dot
 
 GB = 1e9
-ROWS = 16  # the dot's M: x's one row padded, as the decode kernels pad M = 1
 SHAPES = {"o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K) of Llama-3-8B's projections
 SMOKE_SHAPES = {"small": (100, 200), "long": (70, 648)}  # odd sizes: masked rows and columns
 LOADS = ("pointer", "tma")
@@ -41,10 +41,11 @@ SHARED_MEMORY = 200 * 1024  # bytes of pipelined tiles a config may hold (H200: 
 
 
 @triton.jit
-def _x_tile(x_ptr, rows, cols_k, n_inner):
-    """The [16, BLOCK_K] operand: x[cols_k] in row 0, zeros below (M = 1 padded to the dot's 16 rows)."""
-    return tl.load(x_ptr + rows[:, None] * 0 + cols_k[None, :], mask=(rows[:, None] == 0) & (cols_k[None, :] < n_inner),
-                   other=0.0)
+def _x_tile(x_ptr, rows, cols_k, n_rows, n_inner):
+    """The [BLOCK_M, BLOCK_K] operand x[rows, cols_k] of x [M, K] (contiguous), zeros past M (as the decode kernels
+    pad M to the dot's 16 rows or more)."""
+    return tl.load(x_ptr + rows[:, None] * n_inner + cols_k[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols_k[None, :] < n_inner), other=0.0)
 
 
 @triton.jit
@@ -63,21 +64,22 @@ def _weight_tile(w, n_lo, k_lo, n_out, n_inner, stride_wn, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _stream_kernel(w, x_ptr, partial_ptr, n_out, n_inner, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, TMA: tl.constexpr):
+def _stream_kernel(w, x_ptr, partial_ptr, n_rows, n_out, n_inner, stride_wn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr):
     # Program (n, s) owns weight rows [n * BLOCK_N, +BLOCK_N) over K chunk s of SPLIT_K: reads that block of W once
-    # ([BLOCK_K, BLOCK_N] tiles, by pointer loads or TMA) and x's chunk (L2), writes BLOCK_N fp32 partial sums.
+    # ([BLOCK_K, BLOCK_N] tiles, by pointer loads or TMA) and x's M rows over the chunk (L2), writes M x BLOCK_N fp32
+    # partial sums into partial [SPLIT_K, M, N].
     n_lo = tl.program_id(0) * BLOCK_N
     cols_n = n_lo + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, BLOCK_M)
     chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * chunk
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
-        x = _x_tile(x_ptr, rows, start + tl.arange(0, BLOCK_K), n_inner)
+        x = _x_tile(x_ptr, rows, start + tl.arange(0, BLOCK_K), n_rows, n_inner)
         acc = _dot(x, _weight_tile(w, n_lo, start, n_out, n_inner, stride_wn, BLOCK_N, BLOCK_K, TMA), acc)
-    tl.store(partial_ptr + tl.program_id(1) * n_out + cols_n[None, :] + rows[:, None] * 0, acc,
-             mask=(rows[:, None] == 0) & (cols_n[None, :] < n_out))
+    tl.store(partial_ptr + (tl.program_id(1) * n_rows + rows[:, None]) * n_out + cols_n[None, :], acc,
+             mask=(rows[:, None] < n_rows) & (cols_n[None, :] < n_out))
 
 
 @triton.jit
@@ -92,52 +94,60 @@ def _read_kernel(w_ptr, sums_ptr, n_elements, BLOCK: tl.constexpr, TILES: tl.con
     tl.store(sums_ptr + tl.program_id(0), tl.sum(total))
 
 
-def configs(smoke: bool) -> list[dict]:
+def block_rows(n_rows: int) -> int:
+    """The dot's M: x's rows padded to a power of two >= 16, as the decode kernels pad them."""
+    return max(16, triton.next_power_of_2(n_rows))
+
+
+def configs(smoke: bool, n_rows: int = 1) -> list[dict]:
     if smoke:
         return [dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=s, num_warps=4, num_stages=2) for s in (1, 2)]
     return [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=s, num_warps=4, num_stages=st)
             for n, k, s, st in itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (3, 4))
-            if st * (n + ROWS) * k * 2 <= SHARED_MEMORY]
+            if st * (n + block_rows(n_rows)) * k * 2 <= SHARED_MEMORY]
 
 
 def stream(load: str, weights: list[torch.Tensor], x: torch.Tensor, partial: torch.Tensor, config: dict):
-    """A callable launching the stream kernel once per weight copy."""
+    """A callable launching the stream kernel once per weight copy (x: [M, K])."""
     n_out, n_inner = weights[0].shape
-    meta = dict(config)
+    meta = dict(config, BLOCK_M=block_rows(x.shape[0]))
     grid = (triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])
     if load == "pointer":
-        return lambda: [_stream_kernel[grid](w, x, partial, n_out, n_inner, w.stride(0), TMA=False, **meta)
+        return lambda: [_stream_kernel[grid](w, x, partial, x.shape[0], n_out, n_inner, w.stride(0), TMA=False, **meta)
                         for w in weights]
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     descriptors = [TensorDescriptor.from_tensor(w, [meta["BLOCK_N"], meta["BLOCK_K"]]) for w in weights]
-    return lambda: [_stream_kernel[grid](d, x, partial, n_out, n_inner, 0, TMA=True, **meta) for d in descriptors]
+    return lambda: [_stream_kernel[grid](d, x, partial, x.shape[0], n_out, n_inner, 0, TMA=True, **meta)
+                    for d in descriptors]
 
 
 def check(partial: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> float:
-    """Relative error of the partials' sum against W @ x in float64 (a stream that skipped or repeated tiles fails)."""
-    expected = weight.double() @ x.double()
+    """Relative error of the partials' sum against x @ W.T in float64 (a stream that skipped or repeated tiles, or
+    mixed rows, fails)."""
+    expected = x.double() @ weight.double().t()
     got = partial.double().sum(0)
     return float((got - expected).norm() / expected.norm())
 
 
-def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: float, device: str) -> list[dict]:
+def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: float, device: str,
+             n_rows: int = 1) -> list[dict]:
     n_out, n_inner = shape
     weight_bytes = n_out * n_inner * 2
     sets = 1 if device == "cpu" else max(2, math.ceil(3 * torch.cuda.get_device_properties(0).L2_cache_size
                                                       / weight_bytes))
     weights = [torch.randn(n_out, n_inner, device=device, dtype=torch.bfloat16) for _ in range(sets)]
-    x = torch.randn(n_inner, device=device, dtype=torch.bfloat16)
+    x = torch.randn(n_rows, n_inner, device=device, dtype=torch.bfloat16)
     rows = []
 
     def record(what: str, us: float, error: float | None, **extra) -> None:
         gbps = weight_bytes / (us * 1e-6) / GB
-        rows.append({"what": what, "name": name, "n_out": n_out, "n_inner": n_inner, "us": round(us, 2),
+        rows.append({"what": what, "name": name, "m": n_rows, "n_out": n_out, "n_inner": n_inner, "us": round(us, 2),
                      "bytes": weight_bytes, "gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy, 1),
                      "rel_err": error, "input_sets": sets, **extra,
                      "formula": f"{weight_bytes} B / {us:.2f} us = {gbps:.0f} GB/s = {100 * gbps / copy:.1f} % of "
                                 f"{copy:.0f} GB/s copy"})
-        print(f"{name:<8} {what:<8} {json.dumps(extra):<96} {rows[-1]['formula']}", flush=True)
+        print(f"{name:<8} M={n_rows:<3} {what:<8} {json.dumps(extra):<96} {rows[-1]['formula']}", flush=True)
 
     block, tiles = 4096, 16
     sums = torch.empty(triton.cdiv(n_out * n_inner, block * tiles), device=device, dtype=torch.float32)
@@ -146,15 +156,16 @@ def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: f
     us = median_ms(read, rep_ms=300.0) * 1e3 / sets
     record("read", us, None, BLOCK=block, TILES=tiles)
     for load, config in itertools.product(LOADS, config_list):
-        partial = torch.full((config["SPLIT_K"], n_out), float("nan"), device=device, dtype=torch.float32)
+        partial = torch.full((config["SPLIT_K"], n_rows, n_out), float("nan"), device=device, dtype=torch.float32)
         try:
             launch = stream(load, weights, x, partial, config)
             launch()
             error = check(partial, weights[-1], x)
             us = median_ms(captured(launch), rep_ms=100.0) * 1e3 / sets
         except Exception as failure:  # noqa: BLE001 (a config past the shared memory, TMA where triton has none)
-            rows.append({"what": "stream", "name": name, "load": load, **config, "error": repr(failure)[:200]})
-            print(f"{name:<8} {load:<8} {json.dumps(config)} failed: {repr(failure)[:120]}", flush=True)
+            rows.append({"what": "stream", "name": name, "m": n_rows, "load": load, **config,
+                         "error": repr(failure)[:200]})
+            print(f"{name:<8} M={n_rows:<3} {load:<8} {json.dumps(config)} failed: {repr(failure)[:120]}", flush=True)
             continue
         record("stream", us, error, load=load, **config)
     return rows
@@ -164,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["o", "gate_up"],
                         help="weight shapes (default o and gate/up: the two sizes of K = 4096)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="M values: rows of x (default 1 and 32)")
     parser.add_argument("--out", default="benchmarks/results/stream-h200.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and two configs, any device")
     args = parser.parse_args()
@@ -172,7 +184,10 @@ def main() -> None:
         parser.error("needs a GPU, or --smoke under TRITON_INTERPRET=1")
     copy = copy_gbps() if device == "cuda" else 1.0
     shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes}
-    rows = [row for name, shape in shapes.items() for row in rows_for(name, shape, configs(args.smoke), copy, device)]
+    if any(m < 1 for m in args.rows):
+        parser.error(f"--rows must be positive, got {args.rows}")
+    rows = [row for m in args.rows for name, shape in shapes.items()
+            for row in rows_for(name, shape, configs(args.smoke, m), copy, device, m)]
     streams = [r for r in rows if r["what"] == "stream" and "us" in r]
     bad = [r for r in streams if not r["rel_err"] < 1e-2]
     result = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
@@ -182,14 +197,16 @@ def main() -> None:
                          "copies, divided by input_sets); read: a contiguous read of the same bytes"}
     with open(args.out, "w") as file:
         json.dump(result, file, indent=1)
-    print(f"\ncopy {copy:.0f} GB/s; fastest per shape and load:")
-    for (name, load), group in itertools.groupby(sorted(streams, key=lambda r: (r["name"], r["load"], r["us"])),
-                                                 key=lambda r: (r["name"], r["load"])):
+    print(f"\ncopy {copy:.0f} GB/s; fastest per shape, M and load:")
+    for (name, m, load), group in itertools.groupby(
+            sorted(streams, key=lambda r: (r["name"], r["m"], r["load"], r["us"])),
+            key=lambda r: (r["name"], r["m"], r["load"])):
         best = next(group)
-        print(f"  {name:<8} {load:<8} {best['us']:8.2f} us {best['pct_of_copy']:6.1f} % BLOCK_N {best['BLOCK_N']} "
-              f"BLOCK_K {best['BLOCK_K']} SPLIT_K {best['SPLIT_K']} stages {best['num_stages']}")
+        print(f"  {name:<8} M={m:<3} {load:<8} {best['us']:8.2f} us {best['pct_of_copy']:6.1f} % "
+              f"BLOCK_N {best['BLOCK_N']} BLOCK_K {best['BLOCK_K']} SPLIT_K {best['SPLIT_K']} "
+              f"stages {best['num_stages']}")
     if bad:
-        raise SystemExit(f"{len(bad)} stream rows disagree with W @ x (rel_err >= 1e-2): {bad[:2]}")
+        raise SystemExit(f"{len(bad)} stream rows disagree with x @ W.T (rel_err >= 1e-2): {bad[:2]}")
 
 
 if __name__ == "__main__":
