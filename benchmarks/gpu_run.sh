@@ -3,7 +3,8 @@
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
-# config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep and
+# config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep,
+# (FUSELM_NCU=1) the decode kernels' hardware counters (benchmarks/ncu_decode.sh) and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g. "--only attention
 # --sweep-splits 1 2 3 4"); prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
@@ -56,6 +57,9 @@ if [ "${FUSELM_STEP:-0}" = 1 ]; then  # one captured decode step of fuselm.gener
 fi
 if [ "${FUSELM_STREAM:-0}" = 1 ]; then  # the projections' weight stream alone (tiles, split-K, pointer loads vs TMA)
   python3 benchmarks/stream_bench.py --out "$out/stream-h200.json" 2>&1 | tee "$out/stream.log" | tail -n 12
+fi
+if [ "${FUSELM_NCU:-0}" = 1 ]; then  # hardware counters of the decode step's five kernels at B = 1 and 32
+  bash benchmarks/ncu_decode.sh "$out"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Nsight Compute over benchmarks/ncu_decode.py (one decode step's five fused kernels at B = 1 and 32), then its summary.
+#   bash benchmarks/ncu_decode.sh [OUT_DIR] [ncu_decode.py args...]     (on the GPU machine, from the repo root)
+# Writes OUT_DIR/ncu-decode-raw.csv (every metric), ncu-decode-details.csv (the sections as ncu prints them) and
+# ncu-decode.log (the summary). Clocks are left alone (--clock-control none), as the device notes ask.
+set -uo pipefail
+out=${1:-benchmarks/results}
+report=/tmp/ncu-decode
+ncu --clock-control none --profile-from-start off \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+  --section WarpStateStats \
+  --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,dram__bytes_read.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed" \
+  --export "$report" --force-overwrite python3 benchmarks/ncu_decode.py "${@:2}" 2>&1 | tail -n 15
+ncu --import "$report.ncu-rep" --csv --page raw > "$out/ncu-decode-raw.csv"
+ncu --import "$report.ncu-rep" --csv --page details > "$out/ncu-decode-details.csv"
+python3 benchmarks/ncu_decode.py --summary "$out/ncu-decode-raw.csv" "${@:2}" 2>&1 | tee "$out/ncu-decode.log"
