@@ -20,10 +20,13 @@ time, ramp and tail included. Two weight sizes per shape of K (o 4096 x 4096 and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -107,19 +110,35 @@ def configs(smoke: bool, n_rows: int = 1) -> list[dict]:
             if st * (n + block_rows(n_rows)) * k * 2 <= SHARED_MEMORY]
 
 
-def stream(load: str, weights: list[torch.Tensor], x: torch.Tensor, partial: torch.Tensor, config: dict):
-    """A callable launching the stream kernel once per weight copy (x: [M, K])."""
+def stream(load: str, weights: list[torch.Tensor], x: torch.Tensor, partial: torch.Tensor, config: dict,
+           warmup: bool = False):
+    """A callable launching the stream kernel once per weight copy (x: [M, K]); with ``warmup``, compiling it only."""
     n_out, n_inner = weights[0].shape
-    meta = dict(config, BLOCK_M=block_rows(x.shape[0]))
+    meta = dict(config, BLOCK_M=block_rows(x.shape[0]), TMA=load == "tma")
     grid = (triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])
     if load == "pointer":
-        return lambda: [_stream_kernel[grid](w, x, partial, x.shape[0], n_out, n_inner, w.stride(0), TMA=False, **meta)
-                        for w in weights]
-    from triton.tools.tensor_descriptor import TensorDescriptor
+        sources = [(w, w.stride(0)) for w in weights]
+    else:
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-    descriptors = [TensorDescriptor.from_tensor(w, [meta["BLOCK_N"], meta["BLOCK_K"]]) for w in weights]
-    return lambda: [_stream_kernel[grid](d, x, partial, x.shape[0], n_out, n_inner, 0, TMA=True, **meta)
-                    for d in descriptors]
+        sources = [(TensorDescriptor.from_tensor(w, [meta["BLOCK_N"], meta["BLOCK_K"]]), 0) for w in weights]
+    return lambda: [_stream_kernel.run(source, x, partial, x.shape[0], n_out, n_inner, stride, grid=grid,
+                                       warmup=warmup, **meta) for source, stride in sources]
+
+
+def compile_all(weight: torch.Tensor, x: torch.Tensor, config_list: list[dict]) -> None:
+    """Every (load, config) of the stream kernel for these shapes compiled at once in a thread pool, through triton's
+    AsyncCompileMode (each would otherwise compile at its first launch, one after another: minutes for the sweep).
+    A config that fails here fails again, and is recorded, at its timed launch."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older triton: the launches compile one by one
+        return
+    partial = torch.empty((max(c["SPLIT_K"] for c in config_list), x.shape[0], weight.shape[0]), device=x.device)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        for load, config in itertools.product(LOADS, config_list):
+            with contextlib.suppress(Exception):
+                stream(load, [weight], x, partial, config, warmup=True)()
 
 
 def check(partial: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> float:
@@ -155,6 +174,8 @@ def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: f
                                                            num_warps=8) for w in weights])
     us = median_ms(read, rep_ms=300.0) * 1e3 / sets
     record("read", us, None, BLOCK=block, TILES=tiles)
+    if device != "cpu":
+        compile_all(weights[0], x, config_list)
     for load, config in itertools.product(LOADS, config_list):
         partial = torch.full((config["SPLIT_K"], n_rows, n_out), float("nan"), device=device, dtype=torch.float32)
         try:
