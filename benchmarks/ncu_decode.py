@@ -1,10 +1,12 @@
 """Hardware counters (Nsight Compute) of one decode step's five fused kernels, at batch 1 and 32: what binds each.
 
-The projections stream at ~3.9 TB/s at M = 1 and slower at M = 32, against ~4.2 for copy, and B = 32's attention over
-short rows reads at ~70 % of copy (benchmarks/NOTES.md). Timing variants has not said why; the counters can: DRAM
-throughput against the shared-memory pipe, the warps' stall reasons, occupancy. Launches each op of a Llama-3-8B
-layer's decode step once (after a warm-up that finishes autotuning) between cudaProfilerStart and Stop, at B = 1 and
-B = 32 (cache of 768 positions, 640 valid: fuselm.generate's mean row for a 512-token prompt and 256 new tokens).
+The projections stream at ~3.9 TB/s at M = 1 and slower at M = 32, against ~4.2 for copy; B = 32's attention over
+short rows reads at ~70 % of copy, and B = 1 x 32k's at ~60 %, behind cuDNN's ~64 % (benchmarks/NOTES.md). Timing
+variants has not said why; the counters can: DRAM throughput against the shared-memory pipe, the warps' stall
+reasons, occupancy. Launches each op of a Llama-3-8B layer's decode step once (after a warm-up that finishes
+autotuning) between cudaProfilerStart and Stop, at B = 1 and B = 32 (cache of 768 positions, 640 valid:
+fuselm.generate's mean row for a 512-token prompt and 256 new tokens), then decode attention alone at B = 1 x 32k,
+fuselm's and SDPA's cuDNN backend on the valid prefix.
 
     bash benchmarks/ncu_decode.sh OUT_DIR        # ncu over this script, then the summary table (FUSELM_NCU=1)
     python benchmarks/ncu_decode.py --summary OUT_DIR/ncu-decode-raw.csv
@@ -17,6 +19,8 @@ import argparse
 import csv
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuselm
 
@@ -65,17 +69,50 @@ def layer_step(batch: int, smoke: bool):
     return step
 
 
+STEP_KERNELS = ("qkv_rope", "attention", "o + residual", "gate/up", "down + residual")
+
+
+def long_attention(smoke: bool):
+    """Decode attention alone at B = 1 over a full 32k cache (Llama-3-8B heads): fuselm's, and SDPA's cuDNN backend on
+    the same keys and values (GQA), as two callables."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, kv_heads, head_dim, length = (4, 2, 64, 96) if smoke else (32, 8, 128, 32768)
+    dtype = BF16 if device == "cuda" else torch.float32
+    q = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=dtype) for _ in range(2))
+    starts, ends = (torch.tensor([value], dtype=torch.int32, device=device) for value in (0, length))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return lambda: fuselm.decode_attention(q, k, v, starts, ends), cudnn
+
+
+def launches(batches: list[int], smoke: bool) -> list[tuple[str, object]]:
+    """(label, callable) in launch order; a step's label names its five kernels in STEP_KERNELS order."""
+    fused, cudnn = long_attention(smoke)
+    return ([(f"step B{batch}", layer_step(batch, smoke)) for batch in batches]
+            + [("attention B1 x 32k", fused), ("cuDNN B1 x 32k", cudnn)])
+
+
+def labels(batches: list[int]) -> list[str]:
+    """One label per profiled kernel, in launch order."""
+    return ([f"{kernel} B{batch}" for batch in batches for kernel in STEP_KERNELS]
+            + ["attention B1 x 32k", "cuDNN B1 x 32k"])
+
+
 def profile(batches: list[int], smoke: bool) -> None:
-    steps = [layer_step(batch, smoke) for batch in batches]
-    for step in steps:  # autotuning (or the tuning table) and compiling, outside the profiled range
+    calls = launches(batches, smoke)
+    for _, call in calls:  # autotuning (or the tuning table) and compiling, outside the profiled range
         for _ in range(3):
-            step()
+            call()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-    for step in steps:
-        step()
+    for _, call in calls:
+        call()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
@@ -83,23 +120,25 @@ def profile(batches: list[int], smoke: bool) -> None:
 
 def summary(path: str, batches: list[int]) -> None:
     """One line per profiled kernel of ncu's ``--page raw --csv`` (a header row, a units row, a row per kernel, in
-    launch order: the steps of ``batches`` one after another): the SUMMARY metrics and the top three stall reasons."""
+    launch order, labelled by :func:`labels` when the counts agree): the SUMMARY metrics and the top three stalls."""
     with open(path, newline="") as file:
         table = list(csv.reader(line for line in file if line.startswith('"')))
-    header, units, kernels = table[0], dict(zip(table[0], table[1])), [dict(zip(table[0], row)) for row in table[2:]]
-    print(f"{'kernel':<28} {'B':>3} " + " ".join(f"{column:>11}" for _, column in SUMMARY) + "  top stalls (cycles)")
-    print(f"{'':<28} {'':>3} " + " ".join(f"{units.get(name, ''):>11}" for name, _ in SUMMARY))
-    per_batch = max(1, len(kernels) // len(batches))
-    for index, kernel in enumerate(kernels):
-        stalls = sorted(((_number(value), name[len(STALLS):].replace("_per_issue_active.ratio", ""))
-                         for name, value in kernel.items() if name.startswith(STALLS) and _number(value) is not None),
-                        reverse=True)[:3]
-        batch = batches[min(index // per_batch, len(batches) - 1)]
-        print(f"{kernel.get('Kernel Name', '?')[:28]:<28} {batch:>3} "
-              + " ".join(f"{kernel.get(name, '-'):>11}" for name, _ in SUMMARY) + "  "
+    if len(table) < 2:
+        print(f"no kernels in {path}")
+        return
+    header = table[0]
+    units, kernels = dict(zip(header, table[1])), [dict(zip(header, row)) for row in table[2:]]
+    names = labels(batches)
+    if len(names) != len(kernels):  # another launch order: ncu's kernel names
+        names = [kernel.get("Kernel Name", "?")[:24] for kernel in kernels]
+    print(f"{'launch':<24} " + " ".join(f"{column:>11}" for _, column in SUMMARY) + "  top stalls (cycles per issue)")
+    print(f"{'':<24} " + " ".join(f"{units.get(name, ''):>11}" for name, _ in SUMMARY))
+    for name, kernel in zip(names, kernels):
+        stalls = sorted(((_number(value), metric[len(STALLS):].replace("_per_issue_active.ratio", ""))
+                         for metric, value in kernel.items()
+                         if metric.startswith(STALLS) and _number(value) is not None), reverse=True)[:3]
+        print(f"{name:<24} " + " ".join(f"{kernel.get(metric, '-'):>11}" for metric, _ in SUMMARY) + "  "
               + ", ".join(f"{reason} {value:.1f}" for value, reason in stalls))
-    if not kernels:
-        print(f"no kernels in {path} (columns: {header[:5]})")
 
 
 def _number(text: str) -> float | None:
