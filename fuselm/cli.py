@@ -116,7 +116,8 @@ BENCHES = {  # command: (script in benchmarks/, what it measures)
                            "Liger) and the LoRA / QLoRA training steps (--no-train: generation only)"),
     "train": ("train_bench.py", "a LoRA training step and prefill, unpatched, patched and Liger"),
     "decode": ("decode_bench.py", "a decoder layer's decode step, decode attention and the decode projections"),
-    "stream": ("stream_bench.py", "a decode projection's weight stream alone: tiles, split-K, pointer loads and TMA"),
+    "stream": ("stream_bench.py", "a decode projection's weight stream alone at M = 1 and 32: tiles, split-K, pointer "
+                               "loads and TMA"),
 }
 
 
