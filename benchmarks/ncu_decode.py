@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuselm
+from fuselm.ops import decode_linear
+from fuselm.ops._common import forced_config
 
 BF16 = torch.bfloat16
 # (ncu's raw metric, the column it gets in the summary)
@@ -89,17 +91,39 @@ def long_attention(smoke: bool):
     return lambda: fuselm.decode_attention(q, k, v, starts, ends), cudnn
 
 
+GATE_UP_CONFIGS = {"gate/up B1 32x256 s3": (32, 256, 3), "gate/up B1 32x128 s4": (32, 128, 4)}  # BLOCK_N, _K, stages
+
+
+def gate_up_forced(smoke: bool) -> list[tuple[str, object]]:
+    """norm_gated_linear at M = 1 (Llama-3-8B's gate/up) with each of GATE_UP_CONFIGS forced, as labelled callables."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hidden, inner = (128, 96) if smoke else (4096, 14336)
+    dtype = BF16 if device == "cuda" else torch.float32
+    x, norm = torch.randn(1, 1, hidden, device=device, dtype=dtype), torch.ones(hidden, device=device, dtype=dtype)
+    gate, up = (torch.randn(inner, hidden, device=device, dtype=dtype) * hidden ** -0.5 for _ in range(2))
+    kernel = decode_linear._norm_gated_kernel
+    shapes = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages) for c in kernel.configs]
+
+    def forced(index: int):
+        def call():
+            with forced_config(kernel, index):
+                return fuselm.norm_gated_linear(x, norm, 1e-5, gate, up)
+        return call
+
+    return [(label, forced(shapes.index(shape))) for label, shape in GATE_UP_CONFIGS.items()]
+
+
 def launches(batches: list[int], smoke: bool) -> list[tuple[str, object]]:
     """(label, callable) in launch order; a step's label names its five kernels in STEP_KERNELS order."""
     fused, cudnn = long_attention(smoke)
     return ([(f"step B{batch}", layer_step(batch, smoke)) for batch in batches]
-            + [("attention B1 x 32k", fused), ("cuDNN B1 x 32k", cudnn)])
+            + [("attention B1 x 32k", fused), ("cuDNN B1 x 32k", cudnn)] + gate_up_forced(smoke))
 
 
 def labels(batches: list[int]) -> list[str]:
     """One label per profiled kernel, in launch order."""
     return ([f"{kernel} B{batch}" for batch in batches for kernel in STEP_KERNELS]
-            + ["attention B1 x 32k", "cuDNN B1 x 32k"])
+            + ["attention B1 x 32k", "cuDNN B1 x 32k", *GATE_UP_CONFIGS])
 
 
 def profile(batches: list[int], smoke: bool) -> None:
