@@ -6,7 +6,8 @@ variants has not said why; the counters can: DRAM throughput against the shared-
 reasons, occupancy. Launches each op of a Llama-3-8B layer's decode step once (after a warm-up that finishes
 autotuning) between cudaProfilerStart and Stop, at B = 1 and B = 32 (cache of 768 positions, 640 valid:
 fuselm.generate's mean row for a 512-token prompt and 256 new tokens), then decode attention alone at B = 1 x 32k,
-fuselm's and SDPA's cuDNN backend on the valid prefix.
+fuselm's and SDPA's cuDNN backend on the valid prefix, then gate/up at M = 1 under two forced configs whose times
+differ 2.4x (GATE_UP_CONFIGS).
 
     bash benchmarks/ncu_decode.sh OUT_DIR        # ncu over this script, then the summary table (FUSELM_NCU=1)
     python benchmarks/ncu_decode.py --summary OUT_DIR/ncu-decode-raw.csv
