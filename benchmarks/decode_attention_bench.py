@@ -1,7 +1,7 @@
 """Decode attention rows for ``decode_bench.py``: fuselm.decode_attention against SDPA's flash and cuDNN backends.
 
     python benchmarks/decode_bench.py --only attention [--sweep-programs-per-sm 1 2 4] [--sweep-attention-configs]
-        [--sweep-min-split-positions 32 64 128 256] [--sweep-splits 1 2 3 4 6]
+        [--sweep-min-split-positions 32 64 128 256] [--sweep-splits 1 2 3 4 6 [--sweep-attention-configs]]
 
 Llama-3-8B shapes (Hq = 32, Hkv = 8, D = 128, bf16), one query per row (T = 1), at B = 1 x L = 32768 and
 B = 32 x L = 4096, with the cache full (valid = L) and half full (valid = L / 2). fuselm reads the whole
@@ -18,6 +18,7 @@ left out: under 0.01 %.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,22 +161,29 @@ def split_rows(copy_gbps: float, values: tuple[int, ...], *, smoke: bool = False
 B32_SHAPES = [(32, 768, 513), (32, 768, 640), (32, 2048, 1024)]
 
 
-def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, smoke: bool = False) -> list[dict]:
+def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, configs: bool = False,
+                      smoke: bool = False) -> list[dict]:
     """At B = 32's short rows: fuselm with its own split count and cuDNN's GQA, then fuselm with the split count
-    forced to each of ``splits`` (impl ``fuselm_splitN``; the autotuner picks each one's config). Whether a row of a
-    few hundred positions wants splits even where the units alone fill the SMs. Nothing without ``splits``."""
+    forced to each of ``splits`` (impl ``fuselm_splitN``; the autotuner picks each one's config), and with
+    ``configs`` each autotune config forced as well (``fuselm_splitN_cfgI``). Whether a row of a few hundred
+    positions wants splits even where the units alone fill the SMs. Nothing without ``splits``."""
     if not splits:
         return []
     heads, shapes = (SMOKE, [(2, 64, 40)]) if smoke else (LLAMA3_8B, B32_SHAPES)
     out = []
     for batch, context, valid in shapes:
         out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm", "sdpa_cudnn_gqa"))
+    kernel = attention._decode_attention
+    forced = [(None, "")] + [(index, f"_cfg{index}") for index in range(len(kernel.configs) if configs else 0)]
     chosen = attention._num_splits
     try:
         for value in splits:
             attention._num_splits = lambda *shape, value=value: value
-            for batch, context, valid in shapes:
-                out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_split{value}")
+            for index, suffix in forced:
+                with forced_config(kernel, index) if index is not None else contextlib.nullcontext():
+                    for batch, context, valid in shapes:
+                        out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",),
+                                          label=f"_split{value}{suffix}")
     finally:
         attention._num_splits = chosen
     return out

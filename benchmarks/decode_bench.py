@@ -371,7 +371,8 @@ def main() -> None:
                              "at each (impl fuselm_mspN)")
     parser.add_argument("--sweep-splits", type=int, nargs="*", default=[],
                         help="also time fuselm attention at B = 32's short rows with the split count forced to each "
-                             "(impl fuselm_splitN), beside its own choice and cuDNN")
+                             "(impl fuselm_splitN; with --sweep-attention-configs every config too: "
+                             "fuselm_splitN_cfgI), beside its own choice and cuDNN")
     parser.add_argument("--sweep-attention-configs", action="store_true",
                         help="also time fuselm attention with each autotune config forced (impl fuselm_cfgI)")
     args = parser.parse_args()
@@ -391,7 +392,8 @@ def main() -> None:
                                                     sweep_programs_per_sm=tuple(args.sweep_programs_per_sm),
                                                     sweep_configs=args.sweep_attention_configs)
                 rows += decode_attention_bench.split_rows(copy, tuple(args.sweep_min_split_positions), smoke=args.smoke)
-                rows += decode_attention_bench.forced_split_rows(copy, tuple(args.sweep_splits), smoke=args.smoke)
+                rows += decode_attention_bench.forced_split_rows(copy, tuple(args.sweep_splits),
+                                                                 configs=args.sweep_attention_configs, smoke=args.smoke)
                 settings["attention"] = decode_attention_bench.settings()
             elif what == "projection":
                 rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))
