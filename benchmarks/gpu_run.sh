@@ -4,7 +4,8 @@
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
 # config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep,
-# (FUSELM_NCU=1) the decode kernels' hardware counters (benchmarks/ncu_decode.sh) and
+# (FUSELM_NCU=1) the decode kernels' hardware counters (benchmarks/ncu_decode.sh), (FUSELM_SDPA=1) the SDPA
+# backend per memory layout of a prefill's q, k, v (sdpa_layout_probe.py) and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g. "--only attention
 # --sweep-splits 1 2 3 4"); prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
@@ -60,6 +61,9 @@ if [ "${FUSELM_STREAM:-0}" = 1 ]; then  # the projections' weight stream alone (
 fi
 if [ "${FUSELM_NCU:-0}" = 1 ]; then  # hardware counters of the decode step's five kernels at B = 1 and 32
   bash benchmarks/ncu_decode.sh "$out"
+fi
+if [ "${FUSELM_SDPA:-0}" = 1 ]; then  # which SDPA backend a causal prefill gets per memory layout of q, k, v
+  python3 benchmarks/sdpa_layout_probe.py --out "$out/sdpa-layout-h200.json" 2>&1 | tee "$out/sdpa-layout.log" | tail -n 20
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
