@@ -196,6 +196,9 @@ def settings() -> dict:
             "tuned_configs": {str(key): str(config) for key, config in tuned.items()}}
 
 
+WIDE_TABLE_IMPLS = 8  # more impls than this (the sweeps): one line per shape and impl instead of a column per impl
+
+
 def print_table(rows: list[dict], copy_gbps: float) -> None:
     if not rows:
         return
@@ -203,11 +206,17 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
     cells = {(row["impl"], row["batch"], row["context"], row["valid"]): row for row in rows}
     shapes = list(dict.fromkeys((row["batch"], row["context"], row["valid"]) for row in rows))
     print(f"\ndecode attention, bf16, T=1: us (GB/s of valid KV, % of copy {copy_gbps:.0f} GB/s)")
+
+    def cell(impl: str, shape: tuple[int, int, int]) -> str:
+        row = cells.get((impl, *shape))
+        return f"{row['us']:.1f} ({row['gbps']:.0f}, {row['pct_of_copy']:.0f}%)" if row else "-"
+
+    if len(impls) > WIDE_TABLE_IMPLS:
+        for shape in shapes:
+            for impl in impls:
+                if (impl, *shape) in cells:
+                    print(f"{'{} x {}, {}'.format(*shape):<22}{impl:<24}{cell(impl, shape):>26}")
+        return
     print(f"{'B x L, valid':<22}" + "".join(f"{impl:>26}" for impl in impls))
-    for batch, context, valid in shapes:
-        line = f"{f'{batch} x {context}, {valid}':<22}"
-        for impl in impls:
-            row = cells.get((impl, batch, context, valid))
-            cell = f"{row['us']:.1f} ({row['gbps']:.0f}, {row['pct_of_copy']:.0f}%)" if row else "-"
-            line += f"{cell:>26}"
-        print(line)
+    for shape in shapes:
+        print(f"{'{} x {}, {}'.format(*shape):<22}" + "".join(f"{cell(impl, shape):>26}" for impl in impls))
