@@ -3,7 +3,7 @@
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
-# config sweep, (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep,
+# config sweep (FUSELM_TUNE_ARGS go to tune_decode.py, e.g. "--rows 32"), (FUSELM_STEP=1) a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep,
 # (FUSELM_NCU=1) the decode kernels' hardware counters (benchmarks/ncu_decode.sh), (FUSELM_SDPA=1) the SDPA
 # backend per memory layout of a prefill's q, k, v (sdpa_layout_probe.py) and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g. "--only attention
@@ -51,7 +51,8 @@ if [ "${FUSELM_CKPT:-0}" = 1 ]; then  # the gradient-checkpointed LoRA step: GPU
     --out "$out/lora-ckpt-host-h200.json" 2>&1 | grep -v Warning | tee "$out/lora-ckpt-host.log"
 fi
 if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as the benchmark times it (tuning table)
-  python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" 2>&1 | tee "$out/tune-decode.log" | tail -n 20
+  python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" ${FUSELM_TUNE_ARGS:-} 2>&1 \
+    | tee "$out/tune-decode.log" | tail -n 20
 fi
 if [ "${FUSELM_STEP:-0}" = 1 ]; then  # one captured decode step of fuselm.generate, kernel by kernel
   python3 benchmarks/step_profile.py --out "$out/step-profile-h200.json" 2>&1 | tee "$out/step-profile.log"

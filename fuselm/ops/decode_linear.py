@@ -578,12 +578,14 @@ _QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half",
             "HAS_HEAD_NORM"]
 _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per head and SPLIT_K chunks of K spread a
     # projection over more SMs (SPLIT_K also for a head norm, which needs SPLIT = 1); (1, 64, 1, 4, 3) keeps whole
-    # heads of 256 (Gemma) within shared memory
+    # heads of 256 (Gemma) within shared memory. The last two give 32 rows 192 programs that fit two or more per SM
+    # (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96 of 181 KB, one per SM.
     triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k}, num_warps=w, num_stages=s)
     for split, k, split_k, w, s in [
         (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
         (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
-        (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4)]
+        (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
+        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4)]
 ]
 _QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
