@@ -75,7 +75,11 @@ MAX_LEN_FACTOR = 2  # each cache holds max_len = 2 * context positions (HF's SDP
 LAYER_FORMULA = ("bytes = layer weights (every parameter) + KV read (valid positions only: 2 * B * Hkv * context "
                  "* D * 2) + KV written (2 * B * Hkv * D * 2) + activations (hidden in and out: 2 * B * hidden * 2); "
                  "bound_us = bytes / copy_gbps; pct_of_bound = bound_us / us = pct_of_copy (bytes / us against "
-                 "copy_gbps); us: median CUDA-graph replay of one step, the length reset included")
+                 "copy_gbps); us: median CUDA-graph replay of one step, the length reset included, a 256 MiB buffer "
+                 "zeroed before each (timing.median_ms's L2 flush, whose dirty lines are written back during the "
+                 "step); us_steady: the same replays back to back, no flush (a step reads 436 MB or more, 7x L2, so "
+                 "no replay finds the last one's bytes in L2: as consecutive decode steps run), against "
+                 "copy_gbps_steady, back-to-back copies of the same 2 GiB: pct_of_bound_steady")
 COPY_BYTES, SMOKE_COPY_BYTES = 2**31, 2**20
 COPY_FORMULA = "copy_gbps = {moved} B moved (half read, half written, bf16 copy_) / median time (timing.copy_gbps)"
 
@@ -189,7 +193,8 @@ def layer_step_bytes(layer: torch.nn.Module, config: LlamaConfig, batch: int, co
             "activations": 2 * batch * config.hidden_size * item}
 
 
-def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] = IMPLS) -> tuple[list[dict], str]:
+def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
+                    impls: tuple[str, ...] = IMPLS) -> tuple[list[dict], str]:
     """The layer-step rows (every impl at each shape) and fuselm.patch's report on the layer."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = llama_config(smoke)
@@ -228,12 +233,16 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
                 with torch.no_grad():
                     replayed()  # compiles (hf_compile), autotunes (fuselm), and is the output checked
                     out = held["out"].clone()
-                    us = median_ms(captured(replayed)) * 1e3
+                    replay = captured(replayed)
+                    us = median_ms(replay) * 1e3
+                    us_steady = median_ms(replay, flush_l2=False) * 1e3
                     row.update(count_kernels(step, reset))
                 outputs[impl] = out
-                bound_us = total / (copy * GB) * 1e6
+                bound_us, bound_steady_us = total / (copy * GB) * 1e6, total / (copy_steady * GB) * 1e6
                 row.update({"us": round(us, 2), "bound_us": round(bound_us, 2),
                             "pct_of_bound": round(100 * bound_us / us, 1), "pct_of_copy": round(100 * bound_us / us, 1),
+                            "us_steady": round(us_steady, 2), "bound_steady_us": round(bound_steady_us, 2),
+                            "pct_of_bound_steady": round(100 * bound_steady_us / us_steady, 1),
                             "finite": bool(torch.isfinite(out).all()), "out_shape": list(out.shape),
                             "mask": "none" if mask is None else f"HF causal mask {list(mask.shape)}",
                             "formula": f"({' + '.join(f'{v} B {k}' for k, v in counted.items())}) / {copy:.0f} GB/s "
@@ -247,7 +256,8 @@ def layer_step_rows(copy: float, *, smoke: bool = False, impls: tuple[str, ...] 
                     torch.cuda.empty_cache()
             rows.append(row)
             detail = row.get("error") or (f"{row['us']:9.1f} us  {row['pct_of_bound']:5.1f} % of bound  "
-                                          f"{row.get('kernels', '-')} kernels   {row['formula']}")
+                                          f"(back to back {row['us_steady']:.1f} us, {row['pct_of_bound_steady']:.1f} "
+                                          f"%)  {row.get('kernels', '-')} kernels   {row['formula']}")
             print(f"  layer_step {impl:<14} B={batch:<3} context={context:<5} {detail}", flush=True)
         if "hf_eager" in outputs:  # same weights, inputs and cache contents: the outputs compare
             reference = outputs["hf_eager"].float()
@@ -332,16 +342,18 @@ def print_layer_table(rows: list[dict], copy: float) -> None:
     steps = [row for row in rows if row["what"] == "layer_step"]
     if not steps:
         return
-    print(f"\ndecoder layer decode step, Llama-3-8B shapes, bf16: us (% of byte bound at {copy:.0f} GB/s, kernels)")
+    print(f"\ndecoder layer decode step, Llama-3-8B shapes, bf16: us (% of byte bound at {copy:.0f} GB/s, kernels); "
+          "back to back, no L2 flush: us (% of bound at the back-to-back copy rate)")
     impls = list(dict.fromkeys(row["impl"] for row in steps))
-    print(f"{'B x context':<14}" + "".join(f"{impl:>26}" for impl in impls))
+    print(f"{'B x context':<14}" + "".join(f"{impl:>40}" for impl in impls))
     for batch, context in dict.fromkeys((row["batch"], row["context"]) for row in steps):
         line = f"{f'{batch} x {context}':<14}"
         for impl in impls:
             row = next(r for r in steps if (r["impl"], r["batch"], r["context"]) == (impl, batch, context))
             cell = ("error" if "error" in row
-                    else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')})")
-            line += f"{cell:>26}"
+                    else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')}); "
+                         f"{row['us_steady']:.1f} ({row['pct_of_bound_steady']:.0f}%)")
+            line += f"{cell:>40}"
         print(line)
 
 
@@ -382,6 +394,9 @@ def main() -> None:
     moved = COPY_BYTES if torch.cuda.is_available() else SMOKE_COPY_BYTES
     copy, copy_formula = copy_gbps(moved), COPY_FORMULA.format(moved=moved)
     print(f"copy: {copy_formula} = {copy:.0f} GB/s", flush=True)
+    copy_steady = copy_gbps(moved, flush_l2=False) if "layer_step" in whats else None
+    if copy_steady is not None:
+        print(f"copy back to back (no L2 flush): {copy_steady:.0f} GB/s", flush=True)
     rows, seconds, settings, report = [], {}, {}, None
     backend = fuselm.use_backend("triton") if args.smoke else fuselm.use_backend(fuselm.get_backend())
     with backend:
@@ -401,7 +416,7 @@ def main() -> None:
             elif what == "prefill_layer":
                 rows += prefill_layer_rows(copy, smoke=args.smoke)
             else:
-                layer_rows, report = layer_step_rows(copy, smoke=args.smoke, impls=tuple(args.impls))
+                layer_rows, report = layer_step_rows(copy, copy_steady, smoke=args.smoke, impls=tuple(args.impls))
                 rows += layer_rows
             seconds[what] = round(time.perf_counter() - began, 1)
     results = {
@@ -409,7 +424,8 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "fuselm_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy, 1), "seconds": seconds, "patch_report": report, "settings": settings,
+        "copy_gbps": round(copy, 1), "copy_gbps_steady": None if copy_steady is None else round(copy_steady, 1),
+        "seconds": seconds, "patch_report": report, "settings": settings,
         "layer_config": {key: getattr(llama_config(args.smoke), key) for key in LAYER_CONFIG_KEYS}
         | {"dtype": "bfloat16", "max_len": f"{MAX_LEN_FACTOR} * context", "attn_implementation": "sdpa"},
         "formulas": {"copy_gbps": copy_formula, "layer_step": LAYER_FORMULA, "prefill_layer": PREFILL_FORMULA,

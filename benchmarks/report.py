@@ -236,7 +236,8 @@ def lora_profile_section(results: dict, title: str) -> list[str]:
 
 
 def _layer_step_cell(row: dict, key: str, fmt: str) -> str:
-    return "error" if "error" in row else format(row[key], fmt)
+    """A layer-step row's figure: "error" for a failed row, "—" for one a run before the figure existed lacks."""
+    return "error" if "error" in row else "—" if row.get(key) is None else format(row[key], fmt)
 
 
 def decode_section(results: dict) -> list[str]:
@@ -244,20 +245,24 @@ def decode_section(results: dict) -> list[str]:
     lines = ["## Decode", "",
              (f"{results['gpu']}; torch {results['torch']}, triton {results['triton']}, transformers "
               f"{results['transformers']}; fuselm {results.get('fuselm_commit')}; {results['date']}. Copy bandwidth "
-              f"measured in the same run: **{results['copy_gbps']:.0f} GB/s** ({formulas['copy_gbps']})."), ""]
+              f"measured in the same run: **{results['copy_gbps']:.0f} GB/s** ({formulas['copy_gbps']})"
+              + (f"; back to back, without the L2 flush: {results['copy_gbps_steady']:.0f} GB/s."
+                 if results.get("copy_gbps_steady") else ".")), ""]
     lines += [f"Note: {note}" for note in results.get("notes", [])] + ([""] if results.get("notes") else [])
     rows = results["rows"]
     steps = [r for r in rows if r["what"] == "layer_step"]
     if steps:
         lines += ["### Decoder layer decode step (Llama-3-8B shapes, bf16, one new token per row)", "",
                   f"{formulas['layer_step']}.", "",
-                  "| B × context | impl | µs | bound µs | % of bound | kernels | bytes | rel. err vs hf_eager |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| B × context | impl | µs | bound µs | % of bound | µs back to back | % of bound back to back "
+                  "| kernels | bytes | rel. err vs hf_eager |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in steps:
             error = f" ({r['error']})" if "error" in r else ""
-            lines.append(f"| {r['batch']} × {r['context']} | {r['impl']}{error} | {_layer_step_cell(r, 'us', '.1f')} "
-                         f"| {_layer_step_cell(r, 'bound_us', '.1f')} | {_layer_step_cell(r, 'pct_of_bound', '.1f')} | "
-                         f"{r.get('kernels', '—')} | {r['bytes']} | {r.get('rel_err_vs_hf_eager', '—')} |")
+            figures = " | ".join(_layer_step_cell(r, key, ".1f")
+                                 for key in ("us", "bound_us", "pct_of_bound", "us_steady", "pct_of_bound_steady"))
+            lines.append(f"| {r['batch']} × {r['context']} | {r['impl']}{error} | {figures} | {r.get('kernels', '—')} "
+                         f"| {r['bytes']} | {r.get('rel_err_vs_hf_eager', '—')} |")
         lines.append("")
     attention = [r for r in rows if r["what"] == "attention"]
     if attention:

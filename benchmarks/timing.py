@@ -102,22 +102,23 @@ def captured(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = ()
     return graph.replay
 
 
-def copy_ms(moved_bytes: int) -> float:
+def copy_ms(moved_bytes: int, flush_l2: bool = True) -> float:
     """Time of a device-to-device bf16 ``copy_`` moving ``moved_bytes`` (half read, half written), timed
     by :func:`median_ms` over plain calls, as a kernel's call would be: the reference a kernel moving as
-    many bytes is compared with, fixed costs of a short call (e.g. the L2 flush's write-back) included.
+    many bytes is compared with, fixed costs of a short call (e.g. the L2 flush's write-back) included;
+    ``flush_l2=False``: back-to-back calls, the steady state of a stream far beyond L2.
     Not replayed from a CUDA graph: there a copy of 512 MiB or more ran at 2.73 TB/s on an H200, against
     4.2 TB/s called plainly."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a --smoke run
     src = torch.randn(moved_bytes // 4, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return median_ms(lambda: dst.copy_(src))
+    return median_ms(lambda: dst.copy_(src), flush_l2=flush_l2)
 
 
-def copy_gbps(moved_bytes: int = 2**31) -> float:
+def copy_gbps(moved_bytes: int = 2**31, flush_l2: bool = True) -> float:
     """Copy bandwidth in GB/s, bytes read + written: :func:`copy_ms` of ``moved_bytes`` (default 2 GiB:
     1 GiB read, 1 GiB written, far beyond L2)."""
-    return moved_bytes / (copy_ms(moved_bytes) * 1e-3) / GB
+    return moved_bytes / (copy_ms(moved_bytes, flush_l2) * 1e-3) / GB
 
 
 def gemm_tflops(n: int = 8192) -> float:
