@@ -10,8 +10,10 @@ or through a host-made TMA descriptor (``TensorDescriptor``), and a plain read-o
 contiguous block per program, summed) gives the read ceiling.
 
 Each row is a CUDA-graph replay over enough weight copies to cover 3 x L2, divided by the copies: a launch's whole
-time, ramp and tail included. Two weight sizes per shape of K (o 4096 x 4096 and gate/up 28672 x 4096; down
-4096 x 14336) let a line through t = fixed + bytes / rate split the two.
+time, ramp and tail included. Replays run back to back, without timing.median_ms's L2 flush: the copies already leave
+nothing in L2 for the next replay, and the flush's dirty lines would be written back during the timed one. Two weight
+sizes per shape of K (o 4096 x 4096 and gate/up 28672 x 4096; down 4096 x 14336) let a line through t = fixed +
+bytes / rate split the two.
 
     python benchmarks/stream_bench.py --out benchmarks/results/stream-h200.json [--rows 1 32]
     python benchmarks/stream_bench.py --smoke          # tiny shapes, any device (the interpreter on a CPU)
@@ -172,7 +174,7 @@ def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: f
     sums = torch.empty(triton.cdiv(n_out * n_inner, block * tiles), device=device, dtype=torch.float32)
     read = captured(lambda: [_read_kernel[(sums.numel(),)](w, sums, w.numel(), BLOCK=block, TILES=tiles,
                                                            num_warps=8) for w in weights])
-    us = median_ms(read, rep_ms=300.0) * 1e3 / sets
+    us = median_ms(read, rep_ms=300.0, flush_l2=False) * 1e3 / sets
     record("read", us, None, BLOCK=block, TILES=tiles)
     if device != "cpu":
         compile_all(weights[0], x, config_list)
@@ -182,7 +184,7 @@ def rows_for(name: str, shape: tuple[int, int], config_list: list[dict], copy: f
             launch = stream(load, weights, x, partial, config)
             launch()
             error = check(partial, weights[-1], x)
-            us = median_ms(captured(launch), rep_ms=100.0) * 1e3 / sets
+            us = median_ms(captured(launch), rep_ms=100.0, flush_l2=False) * 1e3 / sets
         except Exception as failure:  # noqa: BLE001 (a config past the shared memory, TMA where triton has none)
             rows.append({"what": "stream", "name": name, "m": n_rows, "load": load, **config,
                          "error": repr(failure)[:200]})
