@@ -394,7 +394,7 @@ def main() -> None:
     moved = COPY_BYTES if torch.cuda.is_available() else SMOKE_COPY_BYTES
     copy, copy_formula = copy_gbps(moved), COPY_FORMULA.format(moved=moved)
     print(f"copy: {copy_formula} = {copy:.0f} GB/s", flush=True)
-    copy_steady = copy_gbps(moved, flush_l2=False) if "layer_step" in whats else None
+    copy_steady = copy_gbps(moved, flush_l2=False) if {"layer_step", "projection"} & set(whats) else None
     if copy_steady is not None:
         print(f"copy back to back (no L2 flush): {copy_steady:.0f} GB/s", flush=True)
     rows, seconds, settings, report = [], {}, {}, None
@@ -411,7 +411,7 @@ def main() -> None:
                                                                  configs=args.sweep_attention_configs, smoke=args.smoke)
                 settings["attention"] = decode_attention_bench.settings()
             elif what == "projection":
-                rows += decode_linear_bench.rows(copy, smoke=args.smoke, ms=tuple(args.rows))
+                rows += decode_linear_bench.rows(copy, copy_steady, smoke=args.smoke, ms=tuple(args.rows))
                 settings["projection"] = decode_linear_bench.settings(args.smoke)
             elif what == "prefill_layer":
                 rows += prefill_layer_rows(copy, smoke=args.smoke)

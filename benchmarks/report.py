@@ -236,7 +236,7 @@ def lora_profile_section(results: dict, title: str) -> list[str]:
 
 
 def _layer_step_cell(row: dict, key: str, fmt: str) -> str:
-    """A layer-step row's figure: "error" for a failed row, "—" for one a run before the figure existed lacks."""
+    """A decode row's figure: "error" for a failed row, "—" for one a run before the figure existed lacks."""
     return "error" if "error" in row else "—" if row.get(key) is None else format(row[key], fmt)
 
 
@@ -284,9 +284,11 @@ def decode_section(results: dict) -> list[str]:
     projections = [r for r in rows if r["what"] == "projection"]
     if projections:
         lines += ["### Decode projections (M = B rows, T = 1, bf16)", "", f"{formulas['projection']}.", "",
-                  "| projection | M | impl | µs | GB/s | % of copy | bytes |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
+                  "| projection | M | impl | µs | GB/s | % of copy | µs back to back | % of copy back to back "
+                  "| bytes |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['name']} | {r['m']} | {r['impl']} | {r['us']:.2f} | {r['gbps']:.0f} | {r['pct_of_copy']:.1f} "
+                  f"| {_layer_step_cell(r, 'us_steady', '.2f')} | {_layer_step_cell(r, 'pct_of_copy_steady', '.1f')} "
                   f"| {r['bytes']} |" for r in projections]
     return lines
 

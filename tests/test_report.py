@@ -141,3 +141,14 @@ def test_decode_section_renders_the_back_to_back_layer_step_and_older_rows(repor
     assert "| 1 × 512 | fuselm | 136.0 | 103.8 | 76.3 | 121.0 | 84.2 | 5 | 438 | 0.001 |" in lines
     assert "| 1 × 512 | hf_eager | 256.2 | 103.8 | 40.5 | — | — | 5 | 438 | 0.001 |" in lines
     assert any(line.startswith("| 1 × 512 | hf_compile (RuntimeError: x) | error | error |") for line in lines)
+
+
+def test_decode_section_renders_the_back_to_back_projection_figures_where_measured(report):
+    projection = {"what": "projection", "name": "o", "m": 1, "impl": "fused", "us": 13.2, "gbps": 2540.0,
+                  "pct_of_copy": 60.2, "bytes": 33554432}
+    results = {"gpu": "GPU", "torch": "t", "triton": "tr", "transformers": "tf", "date": "d", "copy_gbps": 4222.0,
+               "formulas": {"copy_gbps": "c", "projection": "bytes / us"},
+               "rows": [{**projection, "us_steady": 10.5, "pct_of_copy_steady": 74.3}, {**projection, "m": 8}]}
+    lines = report.decode_section(results)
+    assert "| o | 1 | fused | 13.20 | 2540 | 60.2 | 10.50 | 74.3 | 33554432 |" in lines
+    assert "| o | 8 | fused | 13.20 | 2540 | 60.2 | — | — | 33554432 |" in lines
