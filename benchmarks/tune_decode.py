@@ -1,12 +1,13 @@
-"""Tunes the decode projections' kernels the way ``decode_linear_bench`` times them, for a GPU's tuning table.
+"""Tunes the decode projections' kernels the way ``decode_linear_bench`` times them back to back, for a GPU's table.
 
 triton's autotuner times each config alone, after zeroing a 256 MiB buffer (its L2 flush), once per key; the dirty
 lines of that flush are written back while the timed kernel runs (benchmarks/NOTES.md, "Measuring at the copy
 ceiling"), and its picks for one key moved between runs (linear_residual down at M = 32: 38.5 us one day, 45.3 the
 next). Here each config of each key the decode path launches (Llama-3-8B shapes, bf16, M = 1, 8, 32, 64, each op as
-``fuselm``'s dispatch calls it) runs as a CUDA-graph replay over 3 x L2 of weights, the median replay time per call
-taken over ``--rep-ms``; the fastest is the pick. Writes ``{"gpu", ..., "autotune_picks"}`` (the keys' picks, with
-every config's time) for ``benchmarks/tuning_table.py``.
+``fuselm``'s dispatch calls it) runs as a CUDA-graph replay over 3 x L2 of weights, replays back to back with no
+flush (the sets already leave nothing in L2; consecutive decode kernels pay no flush's write-back either), the median
+replay time per call taken over ``--rep-ms``; the fastest is the pick. Writes ``{"gpu", ..., "autotune_picks"}``
+(the keys' picks, with every config's time) for ``benchmarks/tuning_table.py``.
 
     python benchmarks/tune_decode.py --out benchmarks/results/tune-decode-h200.json
 """
@@ -58,7 +59,7 @@ def tune(tuner, projection, impl: str, rep_ms: float) -> dict | None:
     for index, config in enumerate(tuner.configs):
         try:
             with _common.forced_config(tuner, index), torch.no_grad():
-                us = median_ms(captured(lambda: [fn(s) for s in sets]), rep_ms=rep_ms) * 1e3 / len(sets)
+                us = median_ms(captured(lambda: [fn(s) for s in sets]), rep_ms=rep_ms, flush_l2=False) * 1e3 / len(sets)
         except Exception as error:  # noqa: BLE001 (a config this shape cannot run, e.g. pruned by its dot sizes)
             us = math.inf
             print(f"  {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
