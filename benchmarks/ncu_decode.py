@@ -44,7 +44,7 @@ def layer_step(batch: int, smoke: bool):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hidden, heads, kv_heads, head_dim, inner, length, valid = (
         (128, 4, 2, 64, 96, 48, 40) if smoke else (4096, 32, 8, 128, 14336, 768, 640))
-    dtype = BF16 if device == "cuda" else torch.float32
+    dtype = BF16 if device == "cuda" and not smoke else torch.float32  # smoke: fp32, comparable on any device
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, device=device, dtype=dtype) * scale
@@ -80,13 +80,13 @@ def long_attention(smoke: bool):
     the same keys and values (GQA), as two callables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     heads, kv_heads, head_dim, length = (4, 2, 64, 96) if smoke else (32, 8, 128, 32768)
-    dtype = BF16 if device == "cuda" else torch.float32
+    dtype = BF16 if device == "cuda" and not smoke else torch.float32  # smoke: fp32, comparable on any device
     q = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=dtype) for _ in range(2))
     starts, ends = (torch.tensor([value], dtype=torch.int32, device=device) for value in (0, length))
 
     def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if device == "cuda" and not smoke else SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     return lambda: fuselm.decode_attention(q, k, v, starts, ends), cudnn
@@ -99,7 +99,7 @@ def gate_up_forced(smoke: bool) -> list[tuple[str, object]]:
     """norm_gated_linear at M = 1 (Llama-3-8B's gate/up) with each of GATE_UP_CONFIGS forced, as labelled callables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hidden, inner = (128, 96) if smoke else (4096, 14336)
-    dtype = BF16 if device == "cuda" else torch.float32
+    dtype = BF16 if device == "cuda" and not smoke else torch.float32  # smoke: fp32, comparable on any device
     x, norm = torch.randn(1, 1, hidden, device=device, dtype=dtype), torch.ones(hidden, device=device, dtype=dtype)
     gate, up = (torch.randn(inner, hidden, device=device, dtype=dtype) * hidden ** -0.5 for _ in range(2))
     kernel = decode_linear._norm_gated_kernel
@@ -176,7 +176,8 @@ def _number(text: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the launches only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny fp32 shapes, any device (SDPA's math backend for cuDNN's row): checks the launches")
     parser.add_argument("--summary", metavar="CSV", help="print the table of an ncu CSV instead of launching")
     args = parser.parse_args()
     if args.summary:
