@@ -89,17 +89,21 @@ def _norm_operand(s: dict, in_prologue: bool) -> tuple:
     return (s["x"], s["norm"]) if in_prologue else (fuselm.rms_norm(s["x"], s["norm"], 1e-5).to(s["x"].dtype), None)
 
 
-def qkv_projection(shapes: Shapes, m: int) -> Projection:
+def qkv_projection(shapes: Shapes, m: int, as_generate: bool = False) -> Projection:
+    """``as_generate``: cos/sin in the model's dtype and int32 positions, as ``fuselm.generate`` passes them (its
+    launches file a tuning key of their own); else fp32 cos/sin and int64 positions."""
     q_size, kv_size = shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim
+    rope_dtype, positions_dtype = (BF16, torch.int32) if as_generate else (torch.float32, torch.int64)
 
     def make_set():
         angles = randn(m, 1, shapes.head_dim, scale=3.0, dtype=torch.float32)  # row b at its own position
         return {"x": randn(m, 1, shapes.hidden), "norm": 1 + randn(shapes.hidden, scale=0.1),
                 "wq": randn(q_size, shapes.hidden, scale=0.02), "wk": randn(kv_size, shapes.hidden, scale=0.02),
-                "wv": randn(kv_size, shapes.hidden, scale=0.02), "cos": angles.cos(), "sin": angles.sin(),
+                "wv": randn(kv_size, shapes.hidden, scale=0.02), "cos": angles.cos().to(rope_dtype),
+                "sin": angles.sin().to(rope_dtype),
                 "k_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
                 "v_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
-                "positions": torch.randint(0, shapes.cache_len, (m, 1), device=DEVICE)}
+                "positions": torch.randint(0, shapes.cache_len, (m, 1), device=DEVICE, dtype=positions_dtype)}
 
     def fused(s, in_prologue):
         return decode_linear.QKV_ROPE(*_norm_operand(s, in_prologue), 1e-5, s["wq"], s["wk"], s["wv"], None, None,
@@ -117,9 +121,11 @@ def qkv_projection(shapes: Shapes, m: int) -> Projection:
         s["v_cache"][rows, :, s["positions"]] = v
         return q.transpose(1, 2)
 
-    activations = (m * shapes.hidden * 2 + shapes.hidden * 2 + 2 * m * shapes.head_dim * 4 + m * 8
-                   + m * q_size * 2 + 2 * m * kv_size * 2)  # x, norm, cos + sin (fp32), positions, q, cache rows
-    return Projection(f"qkv_rope {shapes.hidden}->{q_size + 2 * kv_size}", m, make_set,
+    activations = (m * shapes.hidden * 2 + shapes.hidden * 2 + 2 * m * shapes.head_dim * rope_dtype.itemsize
+                   + m * positions_dtype.itemsize + m * q_size * 2 + 2 * m * kv_size * 2)  # x, norm, cos + sin,
+    # positions, q, cache rows
+    name = f"qkv_rope {shapes.hidden}->{q_size + 2 * kv_size}" + (" (generate's dtypes)" if as_generate else "")
+    return Projection(name, m, make_set,
                       {**_fused_norm_variants(fused), "cuBLAS + fuselm rms_norm/rope + index_put": separate},
                       (q_size + 2 * kv_size) * shapes.hidden * 2, activations)
 

@@ -6,8 +6,10 @@ ceiling"), and its picks for one key moved between runs (linear_residual down at
 next). Here each config of each key the decode path launches (Llama-3-8B shapes, bf16, M = 1, 8, 32, 64, each op as
 ``fuselm``'s dispatch calls it) runs as a CUDA-graph replay over 3 x L2 of weights, replays back to back with no
 flush (the sets already leave nothing in L2; consecutive decode kernels pay no flush's write-back either), the median
-replay time per call taken over ``--rep-ms``; the fastest is the pick. Writes ``{"gpu", ..., "autotune_picks"}``
-(the keys' picks, with every config's time) for ``benchmarks/tuning_table.py``.
+replay time per call taken over ``--rep-ms``; the fastest is the pick. qkv_rope is tuned twice: with the benchmarks'
+fp32 cos/sin and int64 positions, and with the bf16 cos/sin and int32 positions of ``fuselm.generate`` (another key).
+Writes ``{"gpu", ..., "autotune_picks"}`` (the keys' picks, with every config's time) for
+``benchmarks/tuning_table.py``.
 
     python benchmarks/tune_decode.py --out benchmarks/results/tune-decode-h200.json
 """
@@ -31,9 +33,11 @@ from fuselm.ops import _common, decode_linear
 def cases(m: int) -> list[tuple[object, object, str]]:
     """(the kernel's autotuner, its projection, the implementation fuselm's dispatch runs at M = m)."""
     norm_in_prologue = {True: "fused, norm in prologue", False: "fused, rms_norm first"}
-    qkv, gate_up = qkv_projection(LLAMA3_8B, m), gate_up_projection(LLAMA3_8B, m)
-    chosen = [(decode_linear._qkv_rope_split, qkv, norm_in_prologue[m <= decode_linear.QKV_PROLOGUE_NORM_MAX_ROWS]),
-              (decode_linear._norm_gated_kernel, gate_up,
+    gate_up = gate_up_projection(LLAMA3_8B, m)
+    qkv_impl = norm_in_prologue[m <= decode_linear.QKV_PROLOGUE_NORM_MAX_ROWS]
+    chosen = [(decode_linear._qkv_rope_split, qkv_projection(LLAMA3_8B, m, as_generate), qkv_impl)
+              for as_generate in (False, True)]  # the benchmarks' key, and the one fuselm.generate's launches file
+    chosen += [(decode_linear._norm_gated_kernel, gate_up,
                norm_in_prologue[m <= decode_linear.GATED_PROLOGUE_NORM_MAX_ROWS])]
     if m <= decode_linear.LINEAR_RESIDUAL_MAX_ROWS:
         hidden = LLAMA3_8B.heads * LLAMA3_8B.head_dim
