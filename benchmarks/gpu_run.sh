@@ -2,8 +2,9 @@
 # The one GPU command: GPU tests, kernel benchmarks, then (FUSELM_E2E=1) the generation benchmark and its LoRA/QLoRA
 # step rows (FUSELM_E2E_ARGS, e.g. "--no-train", or "--no-generate --merge-into FILE", go to e2e.py),
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
-# LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1) the decode projections'
-# config sweep (FUSELM_TUNE_ARGS go to tune_decode.py, e.g. "--rows 32"), (FUSELM_STEP=1) a captured decode step's
+# LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1, run before the generation
+# benchmark) the decode projections' config sweep (FUSELM_TUNE_ARGS go to tune_decode.py, e.g. "--rows 32"; with
+# FUSELM_RETABLE=1 its picks replace those keys in the GPU's tuning table for the rest of the run), (FUSELM_STEP=1) a captured decode step's
 # kernels, (FUSELM_STREAM=1) the weight-stream sweep, (FUSELM_NCU=1) the decode kernels' hardware counters
 # (benchmarks/ncu_decode.sh), (FUSELM_SDPA=1) the SDPA backend per memory layout of a prefill's q, k, v
 # (sdpa_layout_probe.py) and (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
@@ -31,6 +32,13 @@ if [ "${FUSELM_KERNELS:-1}" = 1 ]; then
   only=${*:+--only $*}
   python3 benchmarks/kernel_bench.py --out "$out/kernels-h200.json" $only ${FUSELM_MERGE:+--merge-into $FUSELM_MERGE} 2>&1 | tee "$out/kernels.log"
 fi
+if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as the benchmark times it (tuning table)
+  python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" ${FUSELM_TUNE_ARGS:-} 2>&1 \
+    | tee "$out/tune-decode.log" | tail -n 20
+  if [ "${FUSELM_RETABLE:-0}" = 1 ]; then  # its picks into this GPU's shipped table, for the runs below
+    python3 benchmarks/tuning_table.py --update "$out/tune-decode-h200.json" && cp fuselm/ops/tuning/*.json "$out/"
+  fi
+fi
 if [ "${FUSELM_E2E:-0}" = 1 ]; then
   python3 benchmarks/e2e.py --out "$out/e2e-h200.json" ${FUSELM_E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
 fi
@@ -49,10 +57,6 @@ fi
 if [ "${FUSELM_CKPT:-0}" = 1 ]; then  # the gradient-checkpointed LoRA step: GPU time by kind and the host view
   python3 benchmarks/lora_profile.py --host --checkpointing --variants ${FUSELM_CKPT_VARIANTS:-unpatched fuselm.patch} \
     --out "$out/lora-ckpt-host-h200.json" 2>&1 | grep -v Warning | tee "$out/lora-ckpt-host.log"
-fi
-if [ "${FUSELM_TUNE:-0}" = 1 ]; then  # every decode projection config timed as the benchmark times it (tuning table)
-  python3 benchmarks/tune_decode.py --out "$out/tune-decode-h200.json" ${FUSELM_TUNE_ARGS:-} 2>&1 \
-    | tee "$out/tune-decode.log" | tail -n 20
 fi
 if [ "${FUSELM_STEP:-0}" = 1 ]; then  # one captured decode step of fuselm.generate, kernel by kernel
   python3 benchmarks/step_profile.py --out "$out/step-profile-h200.json" 2>&1 | tee "$out/step-profile.log"

@@ -3,7 +3,12 @@
     python benchmarks/tuning_table.py benchmarks/results/e2e-h200.json benchmarks/results/decode-h200.json
 
 Every results file must come from the same GPU model. A later file's pick for a (kernel, key) replaces an earlier
-one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--skip FILE:KERNEL``
+one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--update`` starts from
+the GPU's shipped table instead of an empty one (its picks keep their sources), so one new run's timed picks replace
+only the keys it tuned:
+
+    python benchmarks/tuning_table.py --update benchmarks/results/tune-decode-h200.json
+ ``--skip FILE:KERNEL``
 leaves a kernel's picks in one file out (e.g. from a run whose version of that kernel was not the shipped one). The
 table lists, per pick, the file it came from; fuselm reads it at the first tuning of each key
 (``fuselm.ops._common._from_table``).
@@ -18,9 +23,15 @@ from pathlib import Path
 from fuselm.ops._common import tuning_table_path
 
 
-def merged_picks(paths: list[str], skip: set[tuple[str, str]]) -> tuple[str, list[dict], dict]:
-    """(the GPU, the merged picks with their source file, the versions each file was measured under)."""
+def merged_picks(paths: list[str], skip: set[tuple[str, str]],
+                 table: dict | None = None) -> tuple[str, list[dict], dict]:
+    """(the GPU, the merged picks with their source file, the versions each file was measured under), starting from
+    ``table`` (a shipped table's contents) when given."""
     gpus, picks, versions = set(), {}, {}
+    if table is not None:
+        gpus.add(table["gpu"])
+        versions.update(table["measured_with"])
+        picks.update({(pick["kernel"], json.dumps(pick["key"])): pick for pick in table["picks"]})
     for path in paths:
         results = json.loads(Path(path).read_text())
         gpus.add(results["gpu"])
@@ -40,8 +51,16 @@ def main() -> None:
     parser.add_argument("results", nargs="+", help="benchmark results JSON files with autotune_picks")
     parser.add_argument("--skip", action="append", default=[], metavar="FILE:KERNEL",
                         help="leave out this kernel's picks in this file (repeatable)")
+    parser.add_argument("--update", action="store_true",
+                        help="start from the GPU's shipped table: the results replace only the keys they tuned")
     args = parser.parse_args()
-    gpu, picks, versions = merged_picks(args.results, {tuple(item.rsplit(":", 1)) for item in args.skip})
+    table = None
+    if args.update:
+        gpu = json.loads(Path(args.results[0]).read_text())["gpu"]
+        if not tuning_table_path(gpu).is_file():
+            raise SystemExit(f"--update: no shipped table for {gpu} ({tuning_table_path(gpu)})")
+        table = json.loads(tuning_table_path(gpu).read_text())
+    gpu, picks, versions = merged_picks(args.results, {tuple(item.rsplit(":", 1)) for item in args.skip}, table)
     out = tuning_table_path(gpu)
     out.write_text(json.dumps({"gpu": gpu, "measured_with": versions, "picks": picks}, indent=1) + "\n")
     print(f"{len(picks)} picks for {gpu} -> {out}")
