@@ -7,7 +7,7 @@ reasons, occupancy. Launches each op of a Llama-3-8B layer's decode step once (a
 autotuning) between cudaProfilerStart and Stop, at B = 1 and B = 32 (cache of 768 positions, 640 valid:
 fuselm.generate's mean row for a 512-token prompt and 256 new tokens), then decode attention alone at B = 1 x 32k,
 fuselm's and SDPA's cuDNN backend on the valid prefix, then gate/up at M = 1 under two forced configs whose times
-differ 2.4x (GATE_UP_CONFIGS).
+differ 2.4x (GATE_UP_CONFIGS) and qkv_rope at M = 32 under three (QKV_CONFIGS: one program per SM, or two to three).
 
     bash benchmarks/ncu_decode.sh OUT_DIR        # ncu over this script, then the summary table (FUSELM_NCU=1)
     python benchmarks/ncu_decode.py --summary OUT_DIR/ncu-decode-raw.csv
@@ -92,39 +92,75 @@ def long_attention(smoke: bool):
     return lambda: fuselm.decode_attention(q, k, v, starts, ends), cudnn
 
 
-GATE_UP_CONFIGS = {"gate/up B1 32x256 s3": (32, 256, 3), "gate/up B1 32x128 s4": (32, 128, 4)}  # BLOCK_N, _K, stages
+# (label: the forced config's meta-parameters and stages): gate/up at M = 1 under two configs whose times differ 2.4x;
+# qkv_rope at M = 32 under the H200 table's pick (96 programs of 181 KB shared memory, one per SM) and under two that
+# launch 192 programs of 49 and 66 KB, two or three per SM
+GATE_UP_CONFIGS = {"gate/up B1 32x256 s3": {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 3},
+                   "gate/up B1 32x128 s4": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4}}
+QKV_CONFIGS = {"qkv B32 1x256 k2 s3": {"SPLIT": 1, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
+               "qkv B32 2x128 k2 s3": {"SPLIT": 2, "BLOCK_K": 128, "SPLIT_K": 2, "num_stages": 3},
+               "qkv B32 1x64 k4 s4": {"SPLIT": 1, "BLOCK_K": 64, "SPLIT_K": 4, "num_stages": 4}}
 
 
-def gate_up_forced(smoke: bool) -> list[tuple[str, object]]:
-    """norm_gated_linear at M = 1 (Llama-3-8B's gate/up) with each of GATE_UP_CONFIGS forced, as labelled callables."""
+def _config_index(kernel, wanted: dict) -> int:
+    """The index in ``kernel.configs`` of the config whose meta-parameters and stages are ``wanted``."""
+    for index, config in enumerate(kernel.configs):
+        if {**config.kwargs, "num_stages": config.num_stages}.items() >= wanted.items():
+            return index
+    raise ValueError(f"{kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} has no config {wanted}")
+
+
+def _forced(kernel, wanted: dict, call):
+    def forced_call():
+        with forced_config(kernel, _config_index(kernel, wanted)):
+            return call()
+    return forced_call
+
+
+def forced_launches(smoke: bool) -> list[tuple[str, object]]:
+    """gate/up at M = 1 under each of GATE_UP_CONFIGS and qkv_rope at M = 32 under each of QKV_CONFIGS (Llama-3-8B
+    shapes), as labelled callables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hidden, inner = (128, 96) if smoke else (4096, 14336)
+    hidden, heads, kv_heads, head_dim, inner, length = (
+        (128, 4, 2, 64, 96, 48) if smoke else (4096, 32, 8, 128, 14336, 768))
     dtype = BF16 if device == "cuda" and not smoke else torch.float32  # smoke: fp32, comparable on any device
-    x, norm = torch.randn(1, 1, hidden, device=device, dtype=dtype), torch.ones(hidden, device=device, dtype=dtype)
-    gate, up = (torch.randn(inner, hidden, device=device, dtype=dtype) * hidden ** -0.5 for _ in range(2))
-    kernel = decode_linear._norm_gated_kernel
-    shapes = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages) for c in kernel.configs]
 
-    def forced(index: int):
-        def call():
-            with forced_config(kernel, index):
-                return fuselm.norm_gated_linear(x, norm, 1e-5, gate, up)
-        return call
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, dtype=dtype) * scale
 
-    return [(label, forced(shapes.index(shape))) for label, shape in GATE_UP_CONFIGS.items()]
+    x, norm = randn(1, 1, hidden), 1 + 0.1 * randn(hidden)
+    gate, up = (randn(inner, hidden, scale=hidden ** -0.5) for _ in range(2))
+    rows = 32
+    x32 = randn(rows, 1, hidden)
+    wq, wk, wv = (randn(n * head_dim, hidden, scale=hidden ** -0.5) for n in (heads, kv_heads, kv_heads))
+    angles = torch.rand(rows, 1, head_dim, device=device) * 6.28
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache, v_cache = randn(rows, kv_heads, length, head_dim), randn(rows, kv_heads, length, head_dim)
+    positions = torch.randint(0, length, (rows, 1), device=device, dtype=torch.int32)
+
+    def gate_up():
+        return fuselm.norm_gated_linear(x, norm, 1e-5, gate, up)
+
+    def qkv():
+        return fuselm.qkv_rope(x32, norm, 1e-5, wq, wk, wv, cos, sin, k_cache, v_cache, positions,
+                               num_heads=heads, num_kv_heads=kv_heads)
+
+    return ([(label, _forced(decode_linear._norm_gated_kernel, wanted, gate_up))
+             for label, wanted in GATE_UP_CONFIGS.items()]
+            + [(label, _forced(decode_linear._qkv_rope_split, wanted, qkv)) for label, wanted in QKV_CONFIGS.items()])
 
 
 def launches(batches: list[int], smoke: bool) -> list[tuple[str, object]]:
     """(label, callable) in launch order; a step's label names its five kernels in STEP_KERNELS order."""
     fused, cudnn = long_attention(smoke)
     return ([(f"step B{batch}", layer_step(batch, smoke)) for batch in batches]
-            + [("attention B1 x 32k", fused), ("cuDNN B1 x 32k", cudnn)] + gate_up_forced(smoke))
+            + [("attention B1 x 32k", fused), ("cuDNN B1 x 32k", cudnn)] + forced_launches(smoke))
 
 
 def labels(batches: list[int]) -> list[str]:
     """One label per profiled kernel, in launch order."""
     return ([f"{kernel} B{batch}" for batch in batches for kernel in STEP_KERNELS]
-            + ["attention B1 x 32k", "cuDNN B1 x 32k", *GATE_UP_CONFIGS])
+            + ["attention B1 x 32k", "cuDNN B1 x 32k", *GATE_UP_CONFIGS, *QKV_CONFIGS])
 
 
 def profile(batches: list[int], smoke: bool) -> None:
