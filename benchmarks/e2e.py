@@ -294,7 +294,9 @@ def generation(args, rows: list, save, copy: float) -> None:
     """The generate, prefill, first-call and launch rows, every impl in this process (Liger last)."""
     cuda = torch.cuda.is_available()
     model = build(args.layers, args.smoke)
-    order = [i for i in ("eager", "compile_static", "fuselm.generate", "fuselm+hf_generate") if i in args.impls]
+    # the unpatched impls first (fuselm.patch stays on the model), then the fuselm impls in the order asked
+    order = ([i for i in ("eager", "compile_static") if i in args.impls]
+             + [i for i in args.impls if i in ("fuselm.generate", "fuselm+hf_generate")])
     for impl in order:
         if impl.startswith("fuselm"):
             fuselm.patch(model)
