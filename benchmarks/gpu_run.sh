@@ -4,8 +4,8 @@
 # (FUSELM_TRAIN=1) the training benchmark, (FUSELM_LORA=1) the LoRA step's profile, (FUSELM_HOST=1) the patched
 # LoRA/QLoRA steps' host view, (FUSELM_CKPT=1) the checkpointed LoRA step's, (FUSELM_TUNE=1, run before the generation
 # benchmark) the decode projections' config sweep (FUSELM_TUNE_ARGS go to tune_decode.py, e.g. "--rows 32"; with
-# FUSELM_RETABLE=1 its picks replace those keys in the GPU's tuning table for the rest of the run), (FUSELM_STEP=1) a captured decode step's
-# kernels, (FUSELM_STREAM=1) the weight-stream sweep, (FUSELM_NCU=1) the decode kernels' hardware counters
+# FUSELM_RETABLE=1 its picks replace those keys in the GPU's tuning table for the rest of the run), (FUSELM_STEP=1)
+# a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep, (FUSELM_NCU=1) the decode kernels' hardware counters
 # (benchmarks/ncu_decode.sh), (FUSELM_SDPA=1) the SDPA backend per memory layout of a prefill's q, k, v
 # (sdpa_layout_probe.py) and (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
 # "--only attention --sweep-splits 1 2 3 4"); prints a short table last.

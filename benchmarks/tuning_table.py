@@ -3,15 +3,13 @@
     python benchmarks/tuning_table.py benchmarks/results/e2e-h200.json benchmarks/results/decode-h200.json
 
 Every results file must come from the same GPU model. A later file's pick for a (kernel, key) replaces an earlier
-one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--update`` starts from
-the GPU's shipped table instead of an empty one (its picks keep their sources), so one new run's timed picks replace
-only the keys it tuned:
-
-    python benchmarks/tuning_table.py --update benchmarks/results/tune-decode-h200.json
- ``--skip FILE:KERNEL``
+one's; a pick that was itself read from a table (``from_table``) never replaces a timed one. ``--skip FILE:KERNEL``
 leaves a kernel's picks in one file out (e.g. from a run whose version of that kernel was not the shipped one). The
 table lists, per pick, the file it came from; fuselm reads it at the first tuning of each key
-(``fuselm.ops._common._from_table``).
+(``fuselm.ops._common._from_table``). ``--update`` starts from the GPU's shipped table instead of an empty one (its
+picks keep their sources), so one new run's timed picks replace only the keys it tuned:
+
+    python benchmarks/tuning_table.py --update benchmarks/results/tune-decode-h200.json
 """
 
 from __future__ import annotations

@@ -1,10 +1,28 @@
 """Shared checks: relative error against a float64 reference, with NaN never passing; the ops that read a device
 value back to the host."""
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuselm
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_script(name: str, monkeypatch=None) -> ModuleType:
+    """``benchmarks/<name>.py`` loaded as a module. With pytest's ``monkeypatch``, benchmarks/ is on ``sys.path``
+    for the test, for the script's own imports of its neighbours (timing, training, ...)."""
+    if monkeypatch is not None:
+        monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # ‖out − ref‖ / ‖ref‖ that each dtype must reach against a float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -1,27 +1,20 @@
 """benchmarks/e2e.py's training rows in smoke mode (a tiny fp32 model, CPU): one impl's rows as its subprocess prints
 them (its entry point run in this process), and the skipped rows the parent writes for a module that is missing."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import HAS_CUDA
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_script
 
 
 @pytest.fixture
 def e2e(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own imports: timing, training
-    spec = importlib.util.spec_from_file_location("e2e", BENCHMARKS / "e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("e2e", monkeypatch)
 
 
 SMOKE = SimpleNamespace(layers=1, smoke=True, train_tokens=[12, 16], qlora_tokens=[16], checkpointing_tokens=[8],

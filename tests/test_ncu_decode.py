@@ -2,23 +2,17 @@
 its summary reads ncu's raw CSV (a header row, a units row, one row per kernel in launch order)."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from fuselm.backend import INTERPRETING
 from tests.conftest import HAS_CUDA
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_script
 
 
 @pytest.fixture
 def ncu_decode():
-    spec = importlib.util.spec_from_file_location("ncu_decode", BENCHMARKS / "ncu_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("ncu_decode")
 
 
 @pytest.mark.skipif(not (INTERPRETING or HAS_CUDA), reason="needs the interpreter or a GPU")

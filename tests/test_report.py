@@ -1,11 +1,12 @@
 """benchmarks/report.py's plots: one PNG per kernel family from the committed kernel results, the decode chart from
 e2e results in the generate schema, and a printed line (no plot) for the old schema."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import benchmark_script
 
 pytest.importorskip("matplotlib")  # [bench], which [test] includes
 
@@ -15,10 +16,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("report")
 
 
 def _generate_row(impl, batch, tok_per_s, **extra):

@@ -2,24 +2,17 @@
 weight stream (pointer tiles and a TMA descriptor) at two split-K settings sum to x @ W.T over odd sizes, for one row
 of x and for several, from partials poisoned with NaN beforehand."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from fuselm.backend import INTERPRETING
 from tests.conftest import HAS_CUDA
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_script
 
 
 @pytest.fixture
 def stream_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own import: timing
-    spec = importlib.util.spec_from_file_location("stream_bench", BENCHMARKS / "stream_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("stream_bench", monkeypatch)
 
 
 @pytest.mark.skipif(not (INTERPRETING or HAS_CUDA), reason="needs the interpreter or a GPU")

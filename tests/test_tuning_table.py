@@ -2,21 +2,17 @@
 from a table never replaces a timed one), ``--skip`` leaves a file's kernel out, files of two GPU models are refused,
 and ``--update`` keeps the shipped table's other keys with their sources."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_script
 
 
 @pytest.fixture
 def tuning_table():
-    spec = importlib.util.spec_from_file_location("tuning_table", BENCHMARKS / "tuning_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("tuning_table")
 
 
 def pick(kernel, key, block, from_table=False):
