@@ -245,10 +245,11 @@ _STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
 
 # ----------------------------------------------------------------------------------- linear + residual kernel
 # Split-K configs: a program owns a BLOCK_N column block over 1 / SPLIT_K of K, so a projection with few column blocks
-# (o: 4096 / 16 = 256 programs on 132 SMs) keeps more weight loads in flight. The wide ones (BLOCK_N 64, 128) are
-# for M = 32: a program re-reads BLOCK_M x K of x from L2 per BLOCK_N x K of weights, 2x at BLOCK_N 16, 1/4 at 128. The partials meet in one launch: each
+# (o: 4096 / 16 = 256 programs on 132 SMs) keeps more weight loads in flight. The partials meet in one launch: each
 # writes its fp32 [M, BLOCK_N] partial, takes a ticket, and the last of the column block sums the SPLIT_K partials in
-# split order (deterministic) and runs the epilogue. The autotuner keeps them only where they win.
+# split order (deterministic) and runs the epilogue. The autotuner keeps them only where they win. The wide ones
+# (BLOCK_N 64, 128) are for M = 32, where a program re-reads BLOCK_M x K of x from L2 per BLOCK_N x K of weights:
+# twice the weight bytes at BLOCK_N 16, a quarter at 128.
 MAX_SPLIT_K = 4
 _LINEAR_RESIDUAL_CONFIGS = [
     triton.Config({**config.kwargs, "SPLIT_K": 1}, num_warps=config.num_warps, num_stages=config.num_stages)
