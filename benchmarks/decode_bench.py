@@ -268,7 +268,7 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
     return rows, report
 
 
-PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (16,)
+PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (24,)  # above DECODE_MAX_TOKENS: the prefill step
 PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linear at M = T) + sdpa_us (causal SDPA "
                    "alone, GQA) + elementwise bytes / copy_gbps, the elementwise bytes being each unavoidable pass's "
                    "reads and writes, bf16: input norm 2 M H, RoPE 2 M (Hq + Hkv) D, residual add + norm 4 M H, "
@@ -277,9 +277,15 @@ PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linea
                    "(no cache, causal)")
 
 
+# fuselm: the patched layer with no cache (HF's attention, fuselm's norms and RoPE); fuselm_cache: the patched layer
+# into an empty FusedKVCache (the fused prefill step: qkv_rope's epilogue writes the cache, SDPA reads it there)
+PREFILL_IMPLS = ("fuselm", "fuselm_cache", "hf_eager")
+
+
 def prefill_layer_rows(copy: float, *, smoke: bool = False) -> list[dict]:
-    """One decoder layer's prefill (B = 1, T tokens, no cache) patched and unpatched, against what it cannot go below:
-    its GEMMs and its attention timed alone plus the byte bound of the elementwise work around them."""
+    """One decoder layer's prefill (B = 1, T tokens) patched (without a cache, and into an empty FusedKVCache) and
+    unpatched (no cache), against what it cannot go below: its GEMMs and its attention timed alone plus the byte
+    bound of the elementwise work around them."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = llama_config(smoke)
     layer = new_layer(config, device)
@@ -306,15 +312,20 @@ def _prefill_rows(layer: LlamaDecoderLayer, config: LlamaConfig, tokens: int, co
                                             + 3 * inter + 3 * hidden_size)
     bound_us = gemm_us + sdpa_us + elementwise / (copy * GB) * 1e6
     rows, held = [], {}
+    cache = FusedKVCache(config, batch_size=1, max_cache_len=tokens, dtype=BF16, device=device)
 
-    def forward():
-        held["out"] = layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+    def forward(cached: bool):
+        kwargs = {}
+        if cached:  # a fresh cache each call: the fused prefill step, its keys and values written in the epilogue
+            cache.plan()
+            kwargs[CACHE_ARG] = cache
+        held["out"] = layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions, **kwargs)
 
-    for impl in ("fuselm", "hf_eager"):
-        if impl == "fuselm":
+    for impl in PREFILL_IMPLS:
+        if impl != "hf_eager":
             patch_checked(layer)
         with torch.no_grad():
-            us = median_ms(captured(forward)) * 1e3
+            us = median_ms(captured(lambda cached=impl == "fuselm_cache": forward(cached))) * 1e3
         fuselm.unpatch(layer)
         out = held["out"][0] if isinstance(held["out"], tuple) else held["out"]
         rows.append({"what": "prefill_layer", "impl": impl, "batch": 1, "context": tokens, "us": round(us, 1),

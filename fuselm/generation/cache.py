@@ -350,6 +350,11 @@ class FusedKVCache(StaticCache):
             self._starts.copy_(self._ends - 1 - position_ids[:, -1].to(self._ends.device))
             self._refresh_mirrors()
 
+    def starts_empty(self, layer_idx: int) -> bool:
+        """Whether the forward now at layer ``layer_idx`` started on a cache known to be empty (the prefill after
+        ``plan`` or ``reset``), as the host counts it: no device read. Layer 0 asks before it opens the step."""
+        return self._host.filled == 0 if layer_idx == 0 else self._host.fresh
+
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
         """HF's write path: layer 0 opens the step (``advance(T)``), then the layer writes its [B, Hkv, T, D]

@@ -247,9 +247,9 @@ _STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
 # Split-K configs: a program owns a BLOCK_N column block over 1 / SPLIT_K of K, so a projection with few column blocks
 # (o: 4096 / 16 = 256 programs on 132 SMs) keeps more weight loads in flight. The partials meet in one launch: each
 # writes its fp32 [M, BLOCK_N] partial, takes a ticket, and the last of the column block sums the SPLIT_K partials in
-# split order (deterministic) and runs the epilogue. The autotuner keeps them only where they win. The wide ones
-# (BLOCK_N 64, 128) are for M = 32, where a program re-reads BLOCK_M x K of x from L2 per BLOCK_N x K of weights:
-# twice the weight bytes at BLOCK_N 16, a quarter at 128.
+# split order (deterministic) and runs the epilogue. The autotuner keeps them only where they win. Wider column blocks
+# at M = 32 (BLOCK_N 64 and 128 with split-K, re-reading less of x per weight byte) lost to these on an H100
+# (benchmarks/NOTES.md, session 18).
 MAX_SPLIT_K = 4
 _LINEAR_RESIDUAL_CONFIGS = [
     triton.Config({**config.kwargs, "SPLIT_K": 1}, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -257,7 +257,7 @@ _LINEAR_RESIDUAL_CONFIGS = [
 ] + [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_warps=w, num_stages=s)
     for n, k, split, w, s in [(16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3),
-                              (16, 128, 4, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (128, 128, 4, 8, 3)]
+                              (16, 128, 4, 4, 4)]
 ]
 
 

@@ -19,11 +19,17 @@ adapter, a quantised linear, a hooked module) runs as its own module, per call, 
 The layer that owns layer index 0 opens each step on the cache (``ends += T``; ``starts`` from the rows'
 position ids, so left padding is skipped; the slots the step writes): all device work, no host sync, and no
 shape that depends on the lengths, so the step can be captured in a CUDA graph.
+
+A longer forward into an empty cache (the prefill, with HF's ``sdpa`` attention) runs the same layer with large-M
+kernels (:func:`prefill_step`): ``qkv_rope`` runs cuBLAS GEMMs and one epilogue kernel that writes q and the
+keys and values straight into the cache's first T slots, and HF's SDPA attention function reads them there, so
+the prefill has no RoPE kernel and no copy into the cache.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fuselm.ops.attention import decode_attention
 from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
@@ -172,16 +178,47 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
     cos, sin: [1 or B, T, rotary dim], the layer's rotary embedding of the new tokens; position_ids: [1 or B, T]
     (used by the layer of index 0 to open the step; None keeps the cache's planned starts).
     """
+
+    def attend(q: Tensor, index: int) -> Tensor:
+        k_cache, v_cache = cache.buffers(index)
+        starts, ends = cache.lengths(index)
+        attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
+                                    softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
+        return attended.transpose(1, 2)
+
+    return _fused_layer(layer, hidden, cos, sin, cache, position_ids, facts, attend)
+
+
+def prefill_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
+                 facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
+    """A fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill): as :func:`decode_step`,
+    but attention is HF's ``sdpa`` function over the keys and values qkv_rope wrote to slots 0 .. T - 1.
+
+    attention_mask: the mask HF built for this layer ([B, 1, T, T], sized by the cache's ``get_mask_sizes``), or
+    None (causal, no padding): HF's function picks is_causal, GQA and the mask handling as it does for HF's own
+    layer, so the prefill computes what HF's attention computes.
+    """
+
+    def attend(q: Tensor, index: int) -> Tensor:
+        seq_len = q.shape[2]
+        k_cache, v_cache = cache.buffers(index)
+        attended, _ = sdpa_attention_forward(layer.self_attn, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
+                                             attention_mask, dropout=0.0, scaling=facts.scaling)
+        return attended  # [B, T, Hq, D]
+
+    return _fused_layer(layer, hidden, cos, sin, cache, position_ids, facts, attend)
+
+
+def _fused_layer(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
+                 facts: AttentionFacts, attend) -> Tensor:
+    """The layer around ``attend(q [B, Hq, T, D], layer index) -> [B, T, Hq, D]``: opens the step (layer 0),
+    writes the new keys and values, then the o projection, the MLP and the residual adds."""
     index = layer.self_attn.layer_idx
     batch, seq_len, _ = hidden.shape
     if index == 0:
         cache.open_step(seq_len, position_ids)
     q = _queries(layer, facts, hidden, cos, sin, cache, index)
-    k_cache, v_cache = cache.buffers(index)
-    starts, ends = cache.lengths(index)
-    attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
-                                softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
-    attended = attended.transpose(1, 2).reshape(batch, seq_len, -1)
+    attended = attend(q, index).reshape(batch, seq_len, -1)
     attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
     if spec.sandwich_norms:
         branch = layer.post_attention_layernorm(_project(getattr(attention, facts.output), attended, None))

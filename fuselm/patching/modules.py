@@ -191,12 +191,16 @@ class FusedDecoderLayer:
         """hidden_states: [batch, seq, hidden] -> [batch, seq, hidden]."""
         spec = self._fuselm_layer
         kwargs.update(zip(spec.positional, args))
-        facts = self._decode_facts(hidden_states, kwargs)
-        if facts is not None:
-            from fuselm.patching.decode import decode_step
+        phase, facts = self._fused_phase(hidden_states, kwargs)
+        if phase is not None:
+            from fuselm.patching.decode import decode_step, prefill_step
 
             cos, sin = kwargs["position_embeddings"]
-            return decode_step(self, hidden_states, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts)
+            cache, position_ids = _cache_of(kwargs), kwargs.get("position_ids")
+            if phase == "prefill":
+                return prefill_step(self, hidden_states, cos, sin, cache, position_ids, facts,
+                                    kwargs.get("attention_mask"))
+            return decode_step(self, hidden_states, cos, sin, cache, position_ids, facts)
         for name, default in spec.attention_defaults:
             kwargs.setdefault(name, default)
         residual = hidden_states
@@ -212,20 +216,30 @@ class FusedDecoderLayer:
             mlp_out = self.post_feedforward_layernorm(mlp_out)
         return self._add_and_prime(self._residual_branch(mlp_out, 1), residual)
 
-    def _decode_facts(self, hidden_states: Tensor, kwargs: dict):
-        """The layer's attention facts when this call takes the fused decode step (see ``decode.py``), else None:
-        a FusedKVCache, at most DECODE_MAX_TOKENS new tokens, eval mode, no attention weights asked for, and a
-        head_dim that decode_attention supports."""
+    def _fused_phase(self, hidden_states: Tensor, kwargs: dict):
+        """("decode" or "prefill", the layer's attention facts) when this call runs as fused kernels over fuselm's
+        KV cache (``decode.py``), else (None, None). Both need a FusedKVCache, eval mode, no attention weights asked
+        for, and a [B, T, hidden] input with its rotary embedding. "decode": at most DECODE_MAX_TOKENS new tokens
+        and a head_dim that decode_attention supports; "prefill": more tokens into an empty cache, in a model whose
+        attention is HF's ``sdpa`` and does not soft-cap (its SDPA function then attends over the cache)."""
         from fuselm.generation.cache import FusedKVCache
         from fuselm.ops.attention import HEAD_DIMS
         from fuselm.patching.decode import DECODE_MAX_TOKENS, layer_facts
 
-        if (not isinstance(_cache_of(kwargs), FusedKVCache) or self.training or hidden_states.dim() != 3
-                or hidden_states.shape[1] > DECODE_MAX_TOKENS or kwargs.get("output_attentions")
-                or not isinstance(kwargs.get("position_embeddings"), tuple)):
-            return None
+        cache = _cache_of(kwargs)
+        if (not isinstance(cache, FusedKVCache) or self.training or hidden_states.dim() != 3
+                or kwargs.get("output_attentions") or not isinstance(kwargs.get("position_embeddings"), tuple)):
+            return None, None
         facts = layer_facts(self)
-        return facts if facts is not None and facts.head_dim in HEAD_DIMS else None
+        if facts is None:
+            return None, None
+        if hidden_states.shape[1] <= DECODE_MAX_TOKENS:
+            return ("decode", facts) if facts.head_dim in HEAD_DIMS else (None, None)
+        implementation = getattr(getattr(self.self_attn, "config", None), "_attn_implementation", None)
+        if (implementation == "sdpa" and facts.softcap is None
+                and cache.starts_empty(self.self_attn.layer_idx)):
+            return "prefill", facts
+        return None, None
 
     def _residual_branch(self, branch: Tensor, index: int) -> Tensor:
         dropouts = self._fuselm_layer.residual_dropouts

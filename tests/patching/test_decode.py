@@ -92,37 +92,42 @@ def assert_same_cache(fused: tuple, hf: tuple, poisoned: bool) -> None:
                 assert torch.isnan(got[slots[None].expand_as(valid) >= ends[:, None]]).all()
 
 
-@pytest.mark.parametrize("prompt", [9, 20], ids=["fused-prefill", "hf-prefill"])
+@pytest.mark.parametrize("prompt", [9, 20], ids=["decode-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_decode_steps_match_hf_layers(name, prompt, path):
-    """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused step too; one of 20 through HF's
-    attention. Either way each step's logits and the cache equal HF's, after the prefill and after 3 decode steps."""
+    """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused decode step too; one of 20 through the fused
+    prefill step (HF's SDPA function over the cache's first slots), or HF's own attention for a model whose attention
+    is not ``sdpa`` (Gemma 2 here: eager, for its soft-capping). Either way each step's logits and the cache equal
+    HF's, after the prefill and after 3 decode steps, and no forward reads a slot it has not written."""
     model = decode_model(name)
     ids, mask = left_padded(prompt)
-    poisoned = prompt <= decode.DECODE_MAX_TOKENS  # every forward reads through decode_attention
     hf_cache = new_cache(model, mask)
     hf_prefill = AfterPrefill(hf_cache)
     with fuselm.use_backend("reference"):
         hf_tokens, hf_logits = generate(model, ids, mask, hf_cache, logits_processor=LogitsProcessorList([hf_prefill]))
     fuselm.patch(model)
     try:
-        fused_cache = new_cache(model, mask, poisoned)
+        fused_cache = new_cache(model, mask, poisoned=True)
         fused_prefill = AfterPrefill(fused_cache)
-        with mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention:
+        with (mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention,
+              mock.patch.object(decode, "prefill_step", wraps=decode.prefill_step) as prefill):
             tokens, logits = generate(model, ids, mask, fused_cache,
                                       logits_processor=LogitsProcessorList([fused_prefill]))
     finally:
         fuselm.unpatch(model)
     layers = model.config.num_hidden_layers
-    assert attention.call_count == layers * (NEW - (prompt > decode.DECODE_MAX_TOKENS))
+    long_prompt = prompt > decode.DECODE_MAX_TOKENS
+    assert attention.call_count == layers * (NEW - long_prompt)
+    sdpa_prefill = long_prompt and model.config._attn_implementation == "sdpa"
+    assert prefill.call_count == layers * sdpa_prefill
     assert torch.equal(tokens, hf_tokens)
     assert len(logits) == len(hf_logits) == NEW
     for step, (got, expected) in enumerate(zip(logits, hf_logits)):
         assert rel_err(got, expected) <= 1e-5, f"step {step}"
     (_, prefill_ends), _ = hf_prefill.state
     assert torch.equal(hf_cache.lengths()[1] - prefill_ends, torch.full_like(prefill_ends, NEW - 1))  # the prefill's
-    assert_same_cache(fused_prefill.state, hf_prefill.state, poisoned)
-    assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned)
+    assert_same_cache(fused_prefill.state, hf_prefill.state, poisoned=True)
+    assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned=True)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])

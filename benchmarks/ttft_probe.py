@@ -1,0 +1,144 @@
+"""Where a generate call's time to first token goes, beyond its kernels.
+
+e2e.py times a prefill row as CUDA events around a whole ``generate`` call with one new token, so the GPU's idle
+time while the host prepares (and any host sync) counts. Here, per call path (``fuselm.generate`` and the patched
+model's ``model.generate``) and per prefill path (the fused prefill step, and HF's attention with that step
+switched off), one B1 prompt of ``--prompt`` tokens:
+
+- ``event_ms``: e2e's figure (median of ``--repeats`` calls after two warm-up calls);
+- from one more call under torch.profiler: ``kernel_ms`` (the GPU's kernel time, overlaps merged), ``idle_ms``
+  (the profiled span less that), ``lead_ms`` (from the call's start to its first kernel), and the CUDA runtime calls
+  that wait for the GPU (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
+  ``cudaMemcpy*``) with their count and host time; the profiler's top ops by self CPU time go to the log.
+
+    python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import time
+
+import e2e
+import torch
+import transformers
+import triton
+from timing import median_ms
+
+import fuselm
+from fuselm.patching.modules import FusedDecoderLayer
+
+IMPLS = ("fuselm.generate", "fuselm+hf_generate")
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+@contextlib.contextmanager
+def prefill_step_off():
+    """The fused prefill step switched off: a prefill goes through HF's attention, as before the step existed."""
+    fused_phase = FusedDecoderLayer._fused_phase
+
+    def decode_only(self, hidden_states, kwargs):
+        phase, facts = fused_phase(self, hidden_states, kwargs)
+        return (phase, facts) if phase == "decode" else (None, None)
+
+    FusedDecoderLayer._fused_phase = decode_only
+    try:
+        yield
+    finally:
+        FusedDecoderLayer._fused_phase = fused_phase
+
+
+def merged_ms(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) spans, in ms (profiler times are in us)."""
+    total, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total / 1e3
+
+
+def profiled(call) -> tuple[dict, str]:
+    """One call under torch.profiler: the row's profile figures and the top-ops table."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        with torch.profiler.record_function("call"):
+            call()
+        torch.cuda.synchronize()
+    events = profile.events()
+    marker = next(e for e in events if e.name == "call")
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    span_ms = (marker.time_range.end - marker.time_range.start) / 1e3
+    kernel_ms = merged_ms(kernels)
+    waits = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(WAITING_CALLS):
+            count, ms = waits.get(e.name, (0, 0.0))
+            waits[e.name] = (count + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
+    first = min((start for start, _ in kernels), default=marker.time_range.start)
+    row = {"span_ms": span_ms, "kernel_ms": kernel_ms, "idle_ms": span_ms - kernel_ms,
+           "lead_ms": (first - marker.time_range.start) / 1e3, "kernels": len(kernels),
+           "waits": {name: {"count": c, "ms": round(ms, 3)} for name, (c, ms) in waits.items()}}
+    return row, profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = e2e.build(args.layers, smoke=False)
+    fuselm.patch(model)
+    prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), device=model.device)
+    rows = []
+    for path in ("fused prefill step", "HF attention"):
+        switch = prefill_step_off() if path == "HF attention" else contextlib.nullcontext()
+        with switch:
+            for impl in IMPLS:
+                def call(impl=impl):
+                    return e2e.call(model, impl, prompt, 1)
+
+                for _ in range(2):
+                    call()
+                event_ms = median_ms(call, warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)
+                walls = []
+                for _ in range(args.repeats):
+                    torch.cuda.synchronize()
+                    began = time.perf_counter()
+                    call()
+                    torch.cuda.synchronize()
+                    walls.append((time.perf_counter() - began) * 1e3)
+                figures, table = profiled(call)
+                row = {"impl": impl, "prefill": path, "batch": 1, "prompt": args.prompt, "event_ms": event_ms,
+                       "wall_ms": statistics.median(walls), **figures}
+                rows.append(row)
+                print(f"{impl:>20} {path:<20} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
+                      f"kernels {figures['kernel_ms']:7.2f} ({figures['kernels']})  idle {figures['idle_ms']:6.2f}  "
+                      f"lead {figures['lead_ms']:6.2f}  waits {figures['waits']}", flush=True)
+                print(table, flush=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "transformers": transformers.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "method": __doc__, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\n{'impl':>20} {'prefill':<20} {'event':>8} {'wall':>8} {'kernels':>8} {'idle':>7} {'lead':>7}")
+    for row in rows:
+        print(f"{row['impl']:>20} {row['prefill']:<20} {row['event_ms']:8.2f} {row['wall_ms']:8.2f} "
+              f"{row['kernel_ms']:8.2f} {row['idle_ms']:7.2f} {row['lead_ms']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
