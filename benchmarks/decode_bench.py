@@ -268,7 +268,7 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
     return rows, report
 
 
-PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (24,)  # above DECODE_MAX_TOKENS: the prefill step
+PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (24,)  # above DECODE_MAX_TOKENS: the fused prefill attention
 PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linear at M = T) + sdpa_us (causal SDPA "
                    "alone, GQA) + elementwise bytes / copy_gbps, the elementwise bytes being each unavoidable pass's "
                    "reads and writes, bf16: input norm 2 M H, RoPE 2 M (Hq + Hkv) D, residual add + norm 4 M H, "
@@ -278,7 +278,7 @@ PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linea
 
 
 # fuselm: the patched layer with no cache (HF's attention, fuselm's norms and RoPE); fuselm_cache: the patched layer
-# into an empty FusedKVCache (the fused prefill step: qkv_rope's epilogue writes the cache, SDPA reads it there)
+# into an empty FusedKVCache (the fused prefill attention: qkv_rope's epilogue writes the cache, SDPA reads it there)
 PREFILL_IMPLS = ("fuselm", "fuselm_cache", "hf_eager")
 
 
@@ -316,7 +316,7 @@ def _prefill_rows(layer: LlamaDecoderLayer, config: LlamaConfig, tokens: int, co
 
     def forward(cached: bool):
         kwargs = {}
-        if cached:  # a fresh cache each call: the fused prefill step, its keys and values written in the epilogue
+        if cached:  # a fresh cache each call: the fused prefill attention, its keys and values written in the epilogue
             cache.plan()
             kwargs[CACHE_ARG] = cache
         held["out"] = layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions, **kwargs)

@@ -2,14 +2,15 @@
 
 e2e.py times a prefill row as CUDA events around a whole ``generate`` call with one new token, so the GPU's idle
 time while the host prepares (and any host sync) counts. Here, per call path (``fuselm.generate`` and the patched
-model's ``model.generate``) and per prefill path (the fused prefill step, and HF's attention with that step
+model's ``model.generate``) and per prefill path (the fused prefill attention, and HF's attention with that
 switched off), one B1 prompt of ``--prompt`` tokens:
 
 - ``event_ms``: e2e's figure (median of ``--repeats`` calls after two warm-up calls);
 - from one more call under torch.profiler: ``kernel_ms`` (the GPU's kernel time, overlaps merged), ``idle_ms``
   (the profiled span less that), ``lead_ms`` (from the call's start to its first kernel), and the CUDA runtime calls
   that wait for the GPU (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
-  ``cudaMemcpy*``) with their count and host time; the profiler's top ops by self CPU time go to the log.
+  ``cudaMemcpy*``) with their count and host time, and the kernels' time by name; the profiler's top ops by self
+  CPU time go to the log.
 
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
 """
@@ -37,8 +38,8 @@ WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 
 
 @contextlib.contextmanager
-def prefill_step_off():
-    """The fused prefill step switched off: a prefill goes through HF's attention, as before the step existed."""
+def fused_prefill_off():
+    """The fused prefill attention switched off: a prefill goes through HF's attention, as before it existed."""
     fused_phase = FusedDecoderLayer._fused_phase
 
     def decode_only(self, hidden_states, kwargs):
@@ -84,10 +85,18 @@ def profiled(call) -> tuple[dict, str]:
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(WAITING_CALLS):
             count, ms = waits.get(e.name, (0, 0.0))
             waits[e.name] = (count + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
+    by_name: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(e.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += (e.time_range.end - e.time_range.start) / 1e3
     first = min((start for start, _ in kernels), default=marker.time_range.start)
     row = {"span_ms": span_ms, "kernel_ms": kernel_ms, "idle_ms": span_ms - kernel_ms,
            "lead_ms": (first - marker.time_range.start) / 1e3, "kernels": len(kernels),
-           "waits": {name: {"count": c, "ms": round(ms, 3)} for name, (c, ms) in waits.items()}}
+           "waits": {name: {"count": c, "ms": round(ms, 3)} for name, (c, ms) in waits.items()},
+           "kernels_by_name": {name: {"count": c, "ms": round(ms, 3)}
+                               for name, (c, ms) in sorted(by_name.items(), key=lambda item: -item[1][1])}}
     return row, profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
@@ -102,8 +111,8 @@ def main() -> None:
     fuselm.patch(model)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), device=model.device)
     rows = []
-    for path in ("fused prefill step", "HF attention"):
-        switch = prefill_step_off() if path == "HF attention" else contextlib.nullcontext()
+    for path in ("fused attention", "HF attention"):
+        switch = fused_prefill_off() if path == "HF attention" else contextlib.nullcontext()
         with switch:
             for impl in IMPLS:
                 def call(impl=impl):
@@ -126,6 +135,8 @@ def main() -> None:
                 print(f"{impl:>20} {path:<20} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
                       f"kernels {figures['kernel_ms']:7.2f} ({figures['kernels']})  idle {figures['idle_ms']:6.2f}  "
                       f"lead {figures['lead_ms']:6.2f}  waits {figures['waits']}", flush=True)
+                for name, entry in list(figures["kernels_by_name"].items())[:12]:
+                    print(f"    kernel {entry['ms']:8.3f} ms {entry['count']:5d}x  {name}", flush=True)
                 print(table, flush=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "transformers": transformers.__version__,

@@ -160,7 +160,7 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
     q, k = rope_reference(q, k, cos, sin, layout="bshd")
     _write_cache(k_cache, k, cache_positions)
     _write_cache(v_cache, v, cache_positions)
-    return q.transpose(1, 2).contiguous()
+    return q.contiguous().transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------- kernel helpers
@@ -702,7 +702,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
     x2 = as_rows(x)
     weights = [_unit_stride(w) for w in (q_weight, k_weight, v_weight)]
-    q_out = new_output((batch, num_heads, seq_len, head_dim), x.dtype, x.device)
+    q_out = new_output((batch, seq_len, num_heads, head_dim), x.dtype, x.device).transpose(1, 2)
     has_head_norm = q_norm_weight is not None
     kernel = _qkv_rope_whole if has_head_norm else _qkv_rope_split
     slots = num_heads + 2 * num_kv_heads
@@ -732,7 +732,7 @@ def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | 
     """The large-M epilogue over the cuBLAS projections q [M, Hq*D], k and v [M, Hkv*D] (unit column stride)."""
     n_rows = q.shape[0]
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
-    q_out = new_output((n_rows // seq_len, num_heads, seq_len, head_dim), q.dtype, q.device)
+    q_out = new_output((n_rows // seq_len, seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
     grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_heads + 2 * num_kv_heads)  # noqa: E731
     head_norms = [w.contiguous() if w is not None else q for w in (q_norm_weight, k_norm_weight)]
     _qkv_epilogue_kernel[grid](
@@ -757,12 +757,12 @@ def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activat
 
 def _qkv_rope_fake(x, norm_weight, eps, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
                    k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions, num_heads, casting, offset):
-    return x.new_empty((x.shape[0], num_heads, x.shape[1], k_cache.shape[-1]))
+    return x.new_empty((x.shape[0], x.shape[1], num_heads, k_cache.shape[-1])).transpose(1, 2)
 
 
 def _qkv_epilogue_fake(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions,
                        num_heads, seq_len, casting, offset):
-    return q.new_empty((q.shape[0] // seq_len, num_heads, seq_len, k_cache.shape[-1]))
+    return q.new_empty((q.shape[0] // seq_len, seq_len, num_heads, k_cache.shape[-1])).transpose(1, 2)
 
 
 LINEAR_RESIDUAL = FusedOp("linear_residual", _linear_residual_impl, fake=_linear_residual_fake)
@@ -965,7 +965,9 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
             with eps ``qk_norm_eps`` (default ``eps``).
 
     Returns:
-        q [B, Hq, T, D] (contiguous) in x's dtype, normed and rotated. Up to ``MAX_STREAMING_ROWS`` rows (B * T):
+        q [B, Hq, T, D] in x's dtype, normed and rotated: a transposed view of [B, T, Hq, D] memory, the layout
+        HF's attention gets from its projections (SDPA's cuDNN kernel then writes its output in that layout too,
+        and the o projection's [B, T, Hq * D] input is a view of it). Up to ``MAX_STREAMING_ROWS`` rows (B * T):
         one weight-streaming kernel; more: fuselm.rms_norm, one cuBLAS GEMM per weight and one epilogue kernel.
         No autograd: with grad mode on and an input requiring grad, the PyTorch reference runs.
     """
@@ -982,7 +984,7 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
     n_rows = batch * seq_len
     head_dim = k_cache.shape[-1]
     if n_rows == 0:
-        return x.new_empty((batch, num_heads, seq_len, head_dim))
+        return x.new_empty((batch, seq_len, num_heads, head_dim)).transpose(1, 2)
     (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
                                                 head_dim)
     if n_rows <= MAX_STREAMING_ROWS:

@@ -20,10 +20,11 @@ The layer that owns layer index 0 opens each step on the cache (``ends += T``; `
 position ids, so left padding is skipped; the slots the step writes): all device work, no host sync, and no
 shape that depends on the lengths, so the step can be captured in a CUDA graph.
 
-A longer forward into an empty cache (the prefill, with HF's ``sdpa`` attention) runs the same layer with large-M
-kernels (:func:`prefill_step`): ``qkv_rope`` runs cuBLAS GEMMs and one epilogue kernel that writes q and the
-keys and values straight into the cache's first T slots, and HF's SDPA attention function reads them there, so
-the prefill has no RoPE kernel and no copy into the cache.
+A longer forward into an empty cache (the prefill, with HF's ``sdpa`` attention) keeps the layer's large-M path
+(cuBLAS GEMMs, fuselm's add+norm and activation kernels) but fuses its attention block (:func:`prefill_attention`):
+``qkv_rope`` runs cuBLAS GEMMs and one epilogue kernel that writes q and the keys and values straight into the
+cache's first T slots, and HF's SDPA attention function reads them there, so the prefill has no RoPE kernel and no
+copy into the cache.
 """
 
 from __future__ import annotations
@@ -99,12 +100,13 @@ def decode_fallbacks(layer: nn.Module) -> list[str]:
 
 
 def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tensor, sin: Tensor, cache,
-             index: int) -> Tensor:
-    """q [B, Hq, T, D] of the new tokens, their k and v written into the cache: one fused kernel when it can."""
+             index: int, normed: bool = False) -> Tensor:
+    """q [B, Hq, T, D] of the new tokens, their k and v written into the cache: one fused kernel when it can.
+    ``normed``: hidden is the input norm's output already (else the norm runs here, in the kernel's prologue)."""
     attention = layer.self_attn
     k_cache, v_cache = cache.buffers(index)
     projections = [plain_linear(getattr(attention, name)) for name in facts.projections]
-    norm = _norm_args(layer.input_layernorm)
+    norm = None if normed else _norm_args(layer.input_layernorm)
     head_norms = ((_norm_args(attention.q_norm), _norm_args(attention.k_norm)) if facts.qk_norm == "head"
                   else (None, None))
     fused = (None not in projections and facts.qk_norm in (None, "head")
@@ -114,7 +116,7 @@ def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tenso
         (q_weight, q_bias), *rest = projections
         (k_weight, k_bias), (v_weight, v_bias) = rest if rest else ((None, None), (None, None))
         norm_weight, eps, casting, offset = norm if norm is not None else (None, 0.0, "llama", 0.0)
-        if norm is None:
+        if norm is None and not normed:
             hidden = layer.input_layernorm(hidden)
         q_norm, k_norm = head_norms
         if q_norm is not None:
@@ -126,12 +128,13 @@ def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tenso
                         k_norm_weight=None if k_norm is None else k_norm[0],
                         qk_norm_eps=None if q_norm is None else q_norm[1], casting=casting, offset=offset)
     batch, seq_len, _ = hidden.shape
-    normed = layer.input_layernorm(hidden)
+    if not normed:
+        hidden = layer.input_layernorm(hidden)
     head_dim, q_width, kv_width = facts.head_dim, facts.num_heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
     if len(facts.projections) == 1:
-        q, k, v = getattr(attention, facts.projections[0])(normed).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = getattr(attention, facts.projections[0])(hidden).split([q_width, kv_width, kv_width], dim=-1)
     else:
-        q, k, v = (getattr(attention, name)(normed) for name in facts.projections)
+        q, k, v = (getattr(attention, name)(hidden) for name in facts.projections)
     if facts.qk_norm == "projection":
         q, k = attention.q_norm(q), attention.k_norm(k)
     q, k, v = (t.reshape(batch, seq_len, -1, head_dim) for t in (q, k, v))
@@ -178,47 +181,16 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
     cos, sin: [1 or B, T, rotary dim], the layer's rotary embedding of the new tokens; position_ids: [1 or B, T]
     (used by the layer of index 0 to open the step; None keeps the cache's planned starts).
     """
-
-    def attend(q: Tensor, index: int) -> Tensor:
-        k_cache, v_cache = cache.buffers(index)
-        starts, ends = cache.lengths(index)
-        attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
-                                    softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
-        return attended.transpose(1, 2)
-
-    return _fused_layer(layer, hidden, cos, sin, cache, position_ids, facts, attend)
-
-
-def prefill_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
-                 facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
-    """A fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill): as :func:`decode_step`,
-    but attention is HF's ``sdpa`` function over the keys and values qkv_rope wrote to slots 0 .. T - 1.
-
-    attention_mask: the mask HF built for this layer ([B, 1, T, T], sized by the cache's ``get_mask_sizes``), or
-    None (causal, no padding): HF's function picks is_causal, GQA and the mask handling as it does for HF's own
-    layer, so the prefill computes what HF's attention computes.
-    """
-
-    def attend(q: Tensor, index: int) -> Tensor:
-        seq_len = q.shape[2]
-        k_cache, v_cache = cache.buffers(index)
-        attended, _ = sdpa_attention_forward(layer.self_attn, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
-                                             attention_mask, dropout=0.0, scaling=facts.scaling)
-        return attended  # [B, T, Hq, D]
-
-    return _fused_layer(layer, hidden, cos, sin, cache, position_ids, facts, attend)
-
-
-def _fused_layer(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
-                 facts: AttentionFacts, attend) -> Tensor:
-    """The layer around ``attend(q [B, Hq, T, D], layer index) -> [B, T, Hq, D]``: opens the step (layer 0),
-    writes the new keys and values, then the o projection, the MLP and the residual adds."""
     index = layer.self_attn.layer_idx
     batch, seq_len, _ = hidden.shape
     if index == 0:
         cache.open_step(seq_len, position_ids)
     q = _queries(layer, facts, hidden, cos, sin, cache, index)
-    attended = attend(q, index).reshape(batch, seq_len, -1)
+    k_cache, v_cache = cache.buffers(index)
+    starts, ends = cache.lengths(index)
+    attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
+                                softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
+    attended = attended.transpose(1, 2).reshape(batch, seq_len, -1)
     attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
     if spec.sandwich_norms:
         branch = layer.post_attention_layernorm(_project(getattr(attention, facts.output), attended, None))
@@ -231,3 +203,25 @@ def _fused_layer(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cac
     if gated is None:
         return residual + mlp(layer.post_attention_layernorm(residual))
     return _project(getattr(mlp, mlp._fuselm_mlp.output), gated, residual)
+
+
+def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor, cache,
+                      position_ids: Tensor | None, facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
+    """The attention block of a fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill):
+    normed [B, T, hidden] (the input norm's output) -> o_proj(attention) [B, T, hidden].
+
+    q/k/v as :func:`decode_step` computes them (at this M: cuBLAS GEMMs and one epilogue kernel that writes q and
+    the cache's slots 0 .. T - 1), then HF's ``sdpa`` attention function over those slots, with the mask HF built
+    for this layer (attention_mask: [B, 1, T, T], sized by the cache's ``get_mask_sizes``, or None: causal, no
+    padding), so is_causal, GQA and the mask are handled as for HF's own attention; then the o projection module.
+    """
+    attention = layer.self_attn
+    index = attention.layer_idx
+    batch, seq_len, _ = normed.shape
+    if index == 0:
+        cache.open_step(seq_len, position_ids)
+    q = _queries(layer, facts, normed, cos, sin, cache, index, normed=True)
+    k_cache, v_cache = cache.buffers(index)
+    attended, _ = sdpa_attention_forward(attention, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
+                                         attention_mask, dropout=0.0, scaling=facts.scaling)
+    return getattr(attention, facts.output)(attended.reshape(batch, seq_len, -1))

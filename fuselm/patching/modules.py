@@ -192,19 +192,23 @@ class FusedDecoderLayer:
         spec = self._fuselm_layer
         kwargs.update(zip(spec.positional, args))
         phase, facts = self._fused_phase(hidden_states, kwargs)
-        if phase is not None:
-            from fuselm.patching.decode import decode_step, prefill_step
+        if phase == "decode":
+            from fuselm.patching.decode import decode_step
 
             cos, sin = kwargs["position_embeddings"]
-            cache, position_ids = _cache_of(kwargs), kwargs.get("position_ids")
-            if phase == "prefill":
-                return prefill_step(self, hidden_states, cos, sin, cache, position_ids, facts,
-                                    kwargs.get("attention_mask"))
-            return decode_step(self, hidden_states, cos, sin, cache, position_ids, facts)
+            return decode_step(self, hidden_states, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts)
         for name, default in spec.attention_defaults:
             kwargs.setdefault(name, default)
         residual = hidden_states
-        attn_out = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+        normed = self.input_layernorm(hidden_states)
+        if phase == "prefill":
+            from fuselm.patching.decode import prefill_attention
+
+            cos, sin = kwargs["position_embeddings"]
+            attn_out = prefill_attention(self, normed, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts,
+                                         kwargs.get("attention_mask"))
+        else:
+            attn_out = self.self_attn(hidden_states=normed, **kwargs)[0]
         if spec.sandwich_norms:
             attn_out = self.post_attention_layernorm(attn_out)
             mlp_norm = self.pre_feedforward_layernorm

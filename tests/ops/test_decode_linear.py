@@ -227,7 +227,7 @@ def _check_qkv(batch, seq_len, dtype, **variant):
     expected = qkv_rope_reference(*args64, **options64)
     with torch.no_grad():
         q = fuselm.qkv_rope(*args, **options)
-    assert q.dtype == dtype and q.shape == expected.shape and q.is_contiguous()
+    assert q.dtype == dtype and q.shape == expected.shape and q.transpose(1, 2).is_contiguous()  # [B, T, Hq, D]
     assert_close(q, expected, dtype, "q")
     for name, cache, cache64 in (("k_cache", args[8], args64[8]), ("v_cache", args[9], args64[9])):
         written = ~cache64.isnan()

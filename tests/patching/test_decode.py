@@ -95,10 +95,11 @@ def assert_same_cache(fused: tuple, hf: tuple, poisoned: bool) -> None:
 @pytest.mark.parametrize("prompt", [9, 20], ids=["decode-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_decode_steps_match_hf_layers(name, prompt, path):
-    """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused decode step too; one of 20 through the fused
-    prefill step (HF's SDPA function over the cache's first slots), or HF's own attention for a model whose attention
-    is not ``sdpa`` (Gemma 2 here: eager, for its soft-capping). Either way each step's logits and the cache equal
-    HF's, after the prefill and after 3 decode steps, and no forward reads a slot it has not written."""
+    """A prompt of 9 (<= DECODE_MAX_TOKENS) prefills through the fused decode step too; one of 20 through the
+    fused prefill attention (HF's SDPA function over the cache's first slots), or HF's own attention for a model
+    whose attention is not ``sdpa`` (Gemma 2 here: eager, for its soft-capping). Either way each step's logits and
+    the cache equal HF's, after the prefill and after 3 decode steps, and no forward reads a slot it has not
+    written."""
     model = decode_model(name)
     ids, mask = left_padded(prompt)
     hf_cache = new_cache(model, mask)
@@ -110,7 +111,7 @@ def test_decode_steps_match_hf_layers(name, prompt, path):
         fused_cache = new_cache(model, mask, poisoned=True)
         fused_prefill = AfterPrefill(fused_cache)
         with (mock.patch.object(decode, "decode_attention", wraps=decode.decode_attention) as attention,
-              mock.patch.object(decode, "prefill_step", wraps=decode.prefill_step) as prefill):
+              mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill):
             tokens, logits = generate(model, ids, mask, fused_cache,
                                       logits_processor=LogitsProcessorList([fused_prefill]))
     finally:
