@@ -580,18 +580,17 @@ _QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half",
             "HAS_HEAD_NORM"]
 _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per head and SPLIT_K chunks of K spread a
     # projection over more SMs (SPLIT_K also for a head norm, which needs SPLIT = 1); (1, 64, 1, 4, 3) keeps whole
-    # heads of 256 (Gemma) within shared memory. (2, 128, 2) and (1, 64, 4) give 32 rows 192 programs that fit two or
-    # more per SM (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96 of 181 KB, one
-    # per SM, so 36 of 132 SMs idle. SPLIT_K = 11 balances the SMs: Llama-3-8B's 48 head slots x 11 = 4 x 132 programs
-    # (Qwen2-7B's 36: 3 x 132), each a third of a program of SPLIT_K = 4 or less.
+    # heads of 256 (Gemma) within shared memory. The last two give 32 rows 192 programs that fit two or more per SM
+    # (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96 of 181 KB, one per SM.
+    # Neither they nor SPLIT_K = 11 (48 head slots x 11 = 4 x 132 programs: every SM busy) beat it on an H100
+    # (benchmarks/NOTES.md, session 18).
     triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k}, num_warps=w, num_stages=s)
     for split, k, split_k, w, s in [
         (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
         (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
         (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
-        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4), (1, 128, 11, 4, 2), (1, 64, 11, 4, 3), (2, 128, 11, 4, 2)]
+        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4)]
 ]
-_QKV_MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _QKV_CONFIGS)  # its partials' workspace
 _QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
 # a head norm needs the whole head in one program
@@ -710,9 +709,9 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
     kernel = _qkv_rope_whole if has_head_norm else _qkv_rope_split
     slots = num_heads + 2 * num_kv_heads
     # the split-K configs' workspaces (static shapes: every config fits them) and one ticket per (slot, part)
-    partials = new_output((_QKV_MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
+    partials = new_output((MAX_SPLIT_K, x2.shape[0], slots * head_dim), torch.float32, x.device)
     squares_partials = (partials if norm_weight is None else  # [SPLIT_K, programs, M] row sums of squares
-                        new_output((_QKV_MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device))
+                        new_output((MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device))
     tickets = zeroed_counters(x.device, slots * _QKV_MAX_SPLIT)
     grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
