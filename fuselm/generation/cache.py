@@ -16,9 +16,10 @@ Plan/run, as FlashInfer does:
 
 A forward into an empty cache (the prefill after ``plan``) attends over its own new keys and values alone: the
 layers still write them into the buffers, but hand HF's attention the [B, Hkv, T, D] states with a [T, T] mask
-instead of the whole buffers with a [T, max_cache_len] one, so SDPA runs its fastest kernels. The host knows
-this without asking the device: it counts the positions written since ``plan`` or ``reset`` (every row advances
-alike).
+instead of the whole buffers with a [T, max_cache_len] one, so SDPA runs its fastest kernels (fuselm's fused
+layers write them from their projections' epilogue and attend over the buffers' first T slots: ``starts_empty``).
+The host knows this without asking the device: it counts the positions written since ``plan`` or ``reset``
+(every row advances alike).
 
 Nothing in a step reads a length back to the host or has a data-dependent shape, and no tensor is ever
 reallocated, so a step can be captured in a CUDA graph and replayed while the lengths change.

@@ -5,8 +5,9 @@ Plan/run, per call:
 1. **plan**: the batch is padded to its bucket (a power of two; filler rows repeat row 0 and are done from the
    start), the bucket's :class:`FusedKVCache` (one per batch bucket, grown when a call needs more positions) is
    planned from the attention mask, and the call's options are loaded into device tensors.
-2. **prefill**: the model's own forward over the prompt, writing the cache (SDPA over the prompt alone, see
-   ``cache.py``); the first token is chosen from its last logits.
+2. **prefill**: the model's own forward over the prompt, writing the cache (each fused layer's q/k/v epilogue writes
+   the prompt's keys and values into it, and SDPA reads them there: ``prefill_attention`` in
+   ``fuselm/patching/decode.py``); the first token is chosen from its last logits.
 3. **decode**: one step per new token, each the whole model over one token per row (the fused decoder layers'
    decode step, final norm, lm_head) plus the token choice (:mod:`fuselm.generation.choice`), with no host
    sync. On CUDA the step is captured once per (bucket, options mode) after a warm-up that finishes every
