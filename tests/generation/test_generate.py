@@ -315,6 +315,28 @@ def test_graph_path_in_bf16(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_fused_prefill_attention_in_bf16(name):
+    """bf16 on the GPU, a 40-token left-padded prompt: the prefill runs the fused prefill attention in every layer
+    (cuBLAS, the q/k/v epilogue writing the cache, SDPA over its first slots), and the first token's logits stay
+    within HF's own bf16-vs-fp32 error (times a margin for the different kernels)."""
+    from fuselm.patching import decode
+
+    model = decode_model(name, torch.bfloat16)
+    ids, mask = left_padded(prompt=40)
+    asked = dict(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    hf = hf_generate(model, ids, mask, **asked)
+    fp32 = hf_generate(decode_model(name), ids, mask, **asked)
+    fuselm.patch(model)
+    with mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill:
+        out = fused_generate(model, ids, mask, **asked)
+    assert prefill.call_count == model.config.num_hidden_layers
+    hf_error = rel_err(hf.logits[0], fp32.logits[0])
+    assert rel_err(out.logits[0], fp32.logits[0]) <= 3 * hf_error + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_decode_step_profile_names_fuselm_ops():
     model, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

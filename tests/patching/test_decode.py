@@ -147,11 +147,13 @@ def lora_model(targets: list[str]) -> peft.PeftModel:
     return peft.get_peft_model(model, config)
 
 
-def test_lora_projections_run_as_modules(path):
-    """An active adapter on q_proj, v_proj and down_proj: those run as PEFT's modules inside the fused step (the
-    report names them), the rest fused, and the tokens equal the unpatched adapted model's."""
+@pytest.mark.parametrize("prompt", [9, 20], ids=["decode-prefill", "sdpa-prefill"])
+def test_lora_projections_run_as_modules(path, prompt):
+    """An active adapter on q_proj, v_proj and down_proj: those run as PEFT's modules inside the fused step and the
+    fused prefill attention (the report names them), the rest fused, and the tokens equal the unpatched adapted
+    model's."""
     model = lora_model(["q_proj", "v_proj", "down_proj"])
-    ids, mask = left_padded(9)
+    ids, mask = left_padded(prompt)
     with fuselm.use_backend("reference"):
         expected, expected_logits = generate(model, ids, mask, new_cache(model, mask))
     report = fuselm.patch(model)
@@ -160,9 +162,11 @@ def test_lora_projections_run_as_modules(path):
         assert "2 × q_proj runs as its module" in str(report)
         layer = model.base_model.model.model.layers[0]
         assert decode.decode_fallbacks(layer) == ["q_proj", "v_proj", "down_proj"]
-        with mock.patch.object(decode, "qkv_rope", wraps=decode.qkv_rope) as fused_qkv:
+        with (mock.patch.object(decode, "qkv_rope", wraps=decode.qkv_rope) as fused_qkv,
+              mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill):
             tokens, logits = generate(model, ids, mask, new_cache(model, mask, poisoned=True))
         assert fused_qkv.call_count == 0  # q and v run as modules, so the q/k/v kernel cannot run
+        assert prefill.call_count == model.config.num_hidden_layers * (prompt > decode.DECODE_MAX_TOKENS)
     finally:
         fuselm.unpatch(model)
     assert torch.equal(tokens, expected)
