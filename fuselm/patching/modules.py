@@ -225,7 +225,8 @@ class FusedDecoderLayer:
         KV cache (``decode.py``), else (None, None). Both need a FusedKVCache, eval mode, no attention weights asked
         for, and a [B, T, hidden] input with its rotary embedding. "decode": at most DECODE_MAX_TOKENS new tokens
         and a head_dim that decode_attention supports; "prefill": more tokens into an empty cache, in a model whose
-        attention is HF's ``sdpa`` and does not soft-cap (its SDPA function then attends over the cache)."""
+        attention is HF's ``sdpa`` and does not soft-cap (its SDPA function then attends over the cache), with no
+        hook on the attention module (which HF's path then calls, hooks and all)."""
         from fuselm.generation.cache import FusedKVCache
         from fuselm.ops.attention import HEAD_DIMS
         from fuselm.patching.decode import DECODE_MAX_TOKENS, layer_facts
@@ -240,7 +241,7 @@ class FusedDecoderLayer:
         if hidden_states.shape[1] <= DECODE_MAX_TOKENS:
             return ("decode", facts) if facts.head_dim in HEAD_DIMS else (None, None)
         implementation = getattr(getattr(self.self_attn, "config", None), "_attn_implementation", None)
-        if (implementation == "sdpa" and facts.softcap is None
+        if (implementation == "sdpa" and facts.softcap is None and not hooked(self.self_attn)
                 and cache.starts_empty(self.self_attn.layer_idx)):
             return "prefill", facts
         return None, None

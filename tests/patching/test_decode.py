@@ -200,6 +200,22 @@ def test_hooked_projection_runs_as_its_module():
     assert len(calls) == NEW
 
 
+def test_hooked_attention_module_prefills_through_hf():
+    """A hook on a layer's attention module: that layer's prefill calls the module (the hook runs), the other
+    layers take the fused prefill attention, and the first token equals the unpatched model's."""
+    model = decode_model("llama")
+    calls = []
+    model.model.layers[1].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = left_padded(20)
+    expected, _ = generate(model, ids, mask, new_cache(model, mask), new=1)
+    calls.clear()
+    with (fuselm.patched(model),
+          mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill):
+        tokens, _ = generate(model, ids, mask, new_cache(model, mask, poisoned=True), new=1)
+    assert len(calls) == 1 and prefill.call_count == model.config.num_hidden_layers - 1
+    assert torch.equal(tokens, expected)
+
+
 def test_training_mode_and_unsupported_head_dims_take_hf_layers():
     model = tiny_model("llama", head_dim=24)  # decode_attention has no kernel for head_dim 24
     ids, mask = left_padded(9)
