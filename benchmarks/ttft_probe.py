@@ -75,9 +75,10 @@ def profiled(call) -> tuple[dict, str]:
             call()
         torch.cuda.synchronize()
     events = profile.events()
-    marker = next(e for e in events if e.name == "call")
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    marker = next(e for e in events if e.name == "call" and e.device_type == torch.autograd.DeviceType.CPU)
+    # the GPU's work: every CUDA-side event but the "call" range itself, which the profiler mirrors there too
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "call"]
+    kernels = [(e.time_range.start, e.time_range.end) for e in on_gpu]
     span_ms = (marker.time_range.end - marker.time_range.start) / 1e3
     kernel_ms = merged_ms(kernels)
     waits = {}
@@ -86,11 +87,10 @@ def profiled(call) -> tuple[dict, str]:
             count, ms = waits.get(e.name, (0, 0.0))
             waits[e.name] = (count + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
     by_name: dict[str, list] = {}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = by_name.setdefault(e.name[:90], [0, 0.0])
-            entry[0] += 1
-            entry[1] += (e.time_range.end - e.time_range.start) / 1e3
+    for e in on_gpu:
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += (e.time_range.end - e.time_range.start) / 1e3
     first = min((start for start, _ in kernels), default=marker.time_range.start)
     row = {"span_ms": span_ms, "kernel_ms": kernel_ms, "idle_ms": span_ms - kernel_ms,
            "lead_ms": (first - marker.time_range.start) / 1e3, "kernels": len(kernels),
