@@ -34,6 +34,7 @@ from fuselm.generation.cache import FusedKVCache
 from fuselm.generation.choice import ChoiceState
 from fuselm.generation.options import DecodeOptions
 from fuselm.generation.rotary import RotaryTables
+from fuselm.patching.modules import hooked
 
 CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
 EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
@@ -55,14 +56,17 @@ def _cache_keyword(model: nn.Module) -> str:
 
 def _fingerprint(model: nn.Module) -> tuple:
     """What a captured step and :func:`model_reason` depend on beyond the buffers, in one walk over the modules:
-    fuselm's backend, the model's mode, every module's class and every parameter's storage, dtype, shape and device."""
-    classes, parameters, stack = [], [], [model]
+    fuselm's backend, the model's mode, every module's class and whether a hook watches it, and every parameter's
+    storage, dtype, shape and device."""
+    classes, watched, parameters, stack = [], [], [], [model]
     while stack:  # depth first, as Module.modules() but without its generators (2.5x faster: host time per call)
         module = stack.pop()
         classes.append(type(module))
+        if hooked(module):
+            watched.append(len(classes))
         parameters += module._parameters.values()
         stack += module._modules.values()
-    return (get_backend(), model.training, tuple(classes),
+    return (get_backend(), model.training, tuple(classes), tuple(watched),
             tuple((p.data_ptr(), p.dtype, p.shape, p.device) for p in parameters if p is not None))
 
 
@@ -94,6 +98,9 @@ def model_reason(model: nn.Module) -> str | None:
             return f"decoder layer {type(layer).__name__}: its attention cannot be read"
         if facts.head_dim not in HEAD_DIMS:
             return f"head_dim {facts.head_dim} is not one of decode_attention's {HEAD_DIMS}"
+        if hooked(layer.self_attn):
+            return (f"a hook watches the attention module of decoder layer {layer.self_attn.layer_idx} (the fused "
+                    "decode step does not call it)")
     return None
 
 

@@ -85,11 +85,14 @@ def layer_facts(layer: nn.Module) -> AttentionFacts | None:
 
 
 def decode_fallbacks(layer: nn.Module) -> list[str]:
-    """The projections of ``layer`` that a fused decode step would call as modules (LoRA, quantised, hooked)."""
+    """The projections of ``layer`` that a fused decode step would call as modules (LoRA, quantised, hooked), or
+    ``["self_attn"]`` when a hook watches its attention module (the layer then runs HF's attention module)."""
     facts = layer_facts(layer)
     if facts is None:
         return []
     attention, mlp = layer.self_attn, layer.mlp
+    if hooked(attention):
+        return ["self_attn"]
     spec = getattr(mlp, "_fuselm_mlp", None)
     names = [*facts.projections, facts.output]
     modules = [getattr(attention, name) for name in names]

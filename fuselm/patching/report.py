@@ -26,7 +26,8 @@ class PatchReport:
     model: str
     ops_path: str
     kinds: dict[str, KindReport]
-    # projection name -> fused decoder layers whose decode step calls it as a module (LoRA, quantised, hooked)
+    # projection name (or self_attn) -> fused decoder layers whose decode step calls it as a module (LoRA,
+    # quantised, hooked)
     decode_module_calls: dict[str, int] = field(default_factory=dict)
 
     def __getitem__(self, kind: str) -> KindReport:
@@ -50,6 +51,6 @@ class PatchReport:
         layers = self.kinds.get("decoder_layer")
         if layers is not None and layers.patched:
             lines.append(f"  {'decode step:':<{width}} fused kernels over fuselm's KV cache (FusedKVCache)")
-            lines += [f"  {'':<{width}}   {n} × {name} runs as its module (not a plain nn.Linear: LoRA, quantised or "
-                      "hooked)" for name, n in self.decode_module_calls.items()]
+            lines += [f"  {'':<{width}}   {n} × {name} runs as its module (hooked, or not a plain nn.Linear: LoRA, "
+                      "quantised)" for name, n in self.decode_module_calls.items()]
         return "\n".join(lines)

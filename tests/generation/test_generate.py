@@ -394,7 +394,7 @@ def test_a_model_the_caller_patched_stays_patched():
 
 def test_the_model_check_follows_changes_between_calls():
     """The loop's model check is cached between calls but redone when the model changed: its mode, a module's class
-    (a decoder layer unpatched), a parameter (a new weight)."""
+    (a decoder layer unpatched), a parameter (a new weight), a hook on an attention module (added, then removed)."""
     model = decode_model("llama")
     fuselm.patch(model)
     ids, mask = left_padded()
@@ -414,3 +414,11 @@ def test_the_model_check_follows_changes_between_calls():
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
     assert torch.equal(fused_generate(model, ids, mask, **asked), hf_generate(model, ids, mask, **asked))
+    calls = []
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.warns(UserWarning, match="a hook watches the attention module of decoder layer 1"):
+        tokens = fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked)
+    assert len(calls) == asked["max_new_tokens"]  # HF's loop calls the module at every step
+    handle.remove()
+    assert torch.equal(tokens, hf_generate(model, ids, mask, **asked))
+    assert torch.equal(fused_generate(model, ids, mask, **asked), tokens)

@@ -200,20 +200,27 @@ def test_hooked_projection_runs_as_its_module():
     assert len(calls) == NEW
 
 
-def test_hooked_attention_module_prefills_through_hf():
-    """A hook on a layer's attention module: that layer's prefill calls the module (the hook runs), the other
-    layers take the fused prefill attention, and the first token equals the unpatched model's."""
+def test_hooked_attention_module_runs_through_hf(path):
+    """A hook on a layer's attention module: that layer calls the module in the prefill and in every decode step
+    (the hook runs each time, through HF's attention over the same cache), the other layers run fused, and the
+    tokens and logits equal the unpatched model's."""
     model = decode_model("llama")
     calls = []
     model.model.layers[1].self_attn.register_forward_hook(lambda *args: calls.append(1))
     ids, mask = left_padded(20)
-    expected, _ = generate(model, ids, mask, new_cache(model, mask), new=1)
+    with fuselm.use_backend("reference"):
+        expected, expected_logits = generate(model, ids, mask, new_cache(model, mask))
     calls.clear()
-    with (fuselm.patched(model),
-          mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill):
-        tokens, _ = generate(model, ids, mask, new_cache(model, mask, poisoned=True), new=1)
-    assert len(calls) == 1 and prefill.call_count == model.config.num_hidden_layers - 1
+    with (fuselm.patched(model) as report,
+          mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill,
+          mock.patch.object(decode, "decode_step", wraps=decode.decode_step) as step):
+        assert report.decode_module_calls == {"self_attn": 1} and "1 × self_attn runs as its module" in str(report)
+        tokens, logits = generate(model, ids, mask, new_cache(model, mask))
+    layers = model.config.num_hidden_layers
+    assert len(calls) == NEW and prefill.call_count == layers - 1 and step.call_count == (layers - 1) * (NEW - 1)
     assert torch.equal(tokens, expected)
+    for got, want in zip(logits, expected_logits):
+        assert rel_err(got, want) <= 1e-5
 
 
 def test_training_mode_and_unsupported_head_dims_take_hf_layers():
