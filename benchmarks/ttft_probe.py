@@ -13,6 +13,7 @@ switched off), one B1 prompt of ``--prompt`` tokens:
   CPU time go to the log.
 
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
+    python benchmarks/ttft_probe.py --smoke        (a tiny model on the CPU: checks the script)
 """
 
 from __future__ import annotations
@@ -66,14 +67,19 @@ def merged_ms(spans: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def profiled(call) -> tuple[dict, str]:
     """One call under torch.profiler: the row's profile figures and the top-ops table."""
-    torch.cuda.synchronize()
+    synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         with torch.profiler.record_function("call"):
             call()
-        torch.cuda.synchronize()
+        synchronize()
     events = profile.events()
     marker = next(e for e in events if e.name == "call" and e.device_type == torch.autograd.DeviceType.CPU)
     # the GPU's work: every CUDA-side event but the "call" range itself, which the profiler mirrors there too
@@ -106,8 +112,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU (checks the script)")
     args = parser.parse_args()
-    model = e2e.build(args.layers, smoke=False)
+    model = e2e.build(args.layers, smoke=args.smoke)
     fuselm.patch(model)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), device=model.device)
     rows = []
@@ -123,10 +130,10 @@ def main() -> None:
                 event_ms = median_ms(call, warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)
                 walls = []
                 for _ in range(args.repeats):
-                    torch.cuda.synchronize()
+                    synchronize()
                     began = time.perf_counter()
                     call()
-                    torch.cuda.synchronize()
+                    synchronize()
                     walls.append((time.perf_counter() - began) * 1e3)
                 figures, table = profiled(call)
                 row = {"impl": impl, "prefill": path, "batch": 1, "prompt": args.prompt, "event_ms": event_ms,
@@ -138,7 +145,8 @@ def main() -> None:
                 for name, entry in list(figures["kernels_by_name"].items())[:12]:
                     print(f"    kernel {entry['ms']:8.3f} ms {entry['count']:5d}x  {name}", flush=True)
                 print(table, flush=True)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (smoke run)"
+    results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                "transformers": transformers.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "method": __doc__, "rows": rows}

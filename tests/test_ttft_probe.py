@@ -1,0 +1,51 @@
+"""benchmarks/ttft_probe.py in smoke mode (a tiny model on the CPU): one row per call path and prefill path, each
+with its times, and the fused prefill attention switched off only where asked."""
+
+import contextlib
+import json
+from unittest import mock
+
+import torch
+
+import fuselm
+from fuselm.generation import FusedKVCache
+from fuselm.patching import decode
+from tests.helpers import benchmark_script
+from tests.models import decode_model, token_ids
+from tests.patching.test_decode import CACHE_ARG
+
+
+def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
+    probe = benchmark_script("ttft_probe", monkeypatch)
+    out = tmp_path / "ttft.json"
+    monkeypatch.setattr("sys.argv", ["ttft_probe.py", "--smoke", "--layers", "2", "--prompt", "24", "--repeats", "1",
+                                     "--out", str(out)])
+    probe.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["impl"], row["prefill"]) for row in rows] == [
+        (impl, path) for path in ("fused attention", "HF attention") for impl in probe.IMPLS]
+    for row in rows:
+        assert row["event_ms"] > 0 and row["wall_ms"] > 0 and row["span_ms"] > 0 and row["lead_ms"] >= 0
+
+
+def test_the_switch_sends_prefills_to_hf_attention_and_back(monkeypatch):
+    """Under ``fused_prefill_off`` a prefill into an empty cache runs HF's attention; after it, the fused prefill
+    attention again; a decode step takes the fused decode step either way."""
+    probe = benchmark_script("ttft_probe", monkeypatch)
+    model = decode_model("llama")
+    fuselm.patch(model)
+    ids = token_ids(1, 24)
+
+    def counts(switched: bool) -> tuple[int, int]:
+        cache = FusedKVCache(model, 1, 32)
+        cache.plan()
+        with (probe.fused_prefill_off() if switched else contextlib.nullcontext(),
+              mock.patch.object(decode, "prefill_attention", wraps=decode.prefill_attention) as prefill,
+              mock.patch.object(decode, "decode_step", wraps=decode.decode_step) as step, torch.no_grad()):
+            model(ids, **{CACHE_ARG: cache})
+            model(ids[:, :1], **{CACHE_ARG: cache})
+        return prefill.call_count, step.call_count
+
+    layers = model.config.num_hidden_layers
+    assert counts(switched=True) == (0, layers)
+    assert counts(switched=False) == (layers, layers)
