@@ -46,7 +46,7 @@ import peft
 import torch
 import transformers
 import triton
-from timing import copy_gbps, median_ms
+from timing import copy_gbps, median_ms, synchronize
 from training import SETUP, adamw_step, issue_ms, lora_model, peak_gib
 from training import build as build_base
 
@@ -127,14 +127,14 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
     timed = dict(warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)  # calls of a second or more
     for batch in args.batches:
         prompt = torch.randint(3, vocab, (batch, args.prompt), generator=tokens).to(model.device)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        synchronize()
         start = time.perf_counter()
         if args.profile_first_call:
             profiler = cProfile.Profile()
             profiler.runcall(call, model, impl, prompt, args.new)
         else:
             call(model, impl, prompt, args.new)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        synchronize()
         rows.append({"what": "first_call_s", "impl": impl, "batch": batch, "prompt": args.prompt, "new": args.new,
                      "s": time.perf_counter() - start}
                     | ({"under_cprofile": True} if args.profile_first_call else {}))  # inflated: not a user's time

@@ -56,12 +56,12 @@ def median_ms(fn: Callable[[], object], *, warmup_ms: float = 50.0, rep_ms: floa
             flush.zero_()
 
     fn()
-    _synchronize(cuda)
+    synchronize(cuda)
     start = _mark(cuda)  # the estimate includes the flush: the budgets are the GPU's time spent, as do_bench's
     prepare()
     fn()
     end = _mark(cuda)
-    _synchronize(cuda)
+    synchronize(cuda)
     estimate_ms = max(_elapsed_ms(start, end), 1e-3)
     for _ in range(int(warmup_ms / estimate_ms)):
         fn()
@@ -71,7 +71,7 @@ def median_ms(fn: Callable[[], object], *, warmup_ms: float = 50.0, rep_ms: floa
         before = _mark(cuda)
         fn()
         spans.append((before, _mark(cuda)))
-    _synchronize(cuda)
+    synchronize(cuda)
     return statistics.median(_elapsed_ms(before, after) for before, after in spans)
 
 
@@ -127,8 +127,9 @@ def gemm_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
 
 
-def _synchronize(cuda: bool) -> None:
-    if cuda:
+def synchronize(cuda: bool | None = None) -> None:
+    """Wait for the GPU's queued work (``cuda``: whether there is a GPU; None: ask torch); nothing on a CPU."""
+    if torch.cuda.is_available() if cuda is None else cuda:
         torch.cuda.synchronize()
 
 

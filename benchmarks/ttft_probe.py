@@ -29,7 +29,7 @@ import e2e
 import torch
 import transformers
 import triton
-from timing import median_ms
+from timing import median_ms, synchronize
 
 import fuselm
 from fuselm.patching.modules import FusedDecoderLayer
@@ -65,11 +65,6 @@ def merged_ms(spans: list[tuple[float, float]]) -> float:
             total += end - reach
             reach = end
     return total / 1e3
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def profiled(call) -> tuple[dict, str]:
