@@ -7,7 +7,8 @@
 # FUSELM_RETABLE=1 its picks replace those keys in the GPU's tuning table for the rest of the run), (FUSELM_STEP=1)
 # a captured decode step's kernels, (FUSELM_STREAM=1) the weight-stream sweep, (FUSELM_NCU=1) the decode kernels' hardware counters
 # (benchmarks/ncu_decode.sh), (FUSELM_SDPA=1) the SDPA backend per memory layout of a prefill's q, k, v
-# (sdpa_layout_probe.py), (FUSELM_TTFT=1) a prefill call's time by host and kernels (ttft_probe.py) and
+# (sdpa_layout_probe.py), (FUSELM_TTFT=1) a prefill call's time by host and kernels (ttft_probe.py; FUSELM_TTFT_ARGS
+# go to it, e.g. "--grow-to 8192") and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
 # "--only attention --sweep-splits 1 2 3 4"); prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
@@ -72,7 +73,7 @@ if [ "${FUSELM_SDPA:-0}" = 1 ]; then  # which SDPA backend a causal prefill gets
   python3 benchmarks/sdpa_layout_probe.py --out "$out/sdpa-layout-h200.json" 2>&1 | tee "$out/sdpa-layout.log" | tail -n 20
 fi
 if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a B1 prefill call's time goes, in a fresh process (host lead, kernels)
-  python3 benchmarks/ttft_probe.py --out "$out/ttft-probe-h200.json" 2>&1 | tee "$out/ttft.log" \
+  python3 benchmarks/ttft_probe.py --out "$out/ttft-probe-h200.json" ${FUSELM_TTFT_ARGS:-} 2>&1 | tee "$out/ttft.log" \
     | grep -E "event|impl|  fuselm|Error"
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then

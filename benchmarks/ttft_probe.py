@@ -6,6 +6,10 @@ model's ``model.generate``) and per prefill path (the fused prefill attention, a
 switched off), one B1 prompt of ``--prompt`` tokens:
 
 - ``event_ms``: e2e's figure (median of ``--repeats`` calls after two warm-up calls);
+- ``phases``: the same calls cut at the prefill forward (``DecodeEngine._forward``, which both call paths run), by
+  CUDA events and by the host's clock, medians: ``lead`` (call start to the forward's start: the GPU waits for the
+  host's planning), ``forward`` (the forward's kernels and any gaps between them) and ``tail`` (the forward's end to
+  the call's return: the first token's choice and the output);
 - from one more call under torch.profiler: ``kernel_ms`` (the GPU's kernel time, overlaps merged), ``idle_ms``
   (the profiled span less that), ``lead_ms`` (from the call's start to its first kernel), and the CUDA runtime calls
   that wait for the GPU (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
@@ -14,6 +18,9 @@ switched off), one B1 prompt of ``--prompt`` tokens:
 
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
     python benchmarks/ttft_probe.py --smoke        (a tiny model on the CPU: checks the script)
+
+``--grow-to N`` runs one call of an N-token prompt first, so the B1 cache is longer than the prompt needs (as in
+e2e.py, whose 2048-token rows may follow an 8192-token call).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import triton
 from timing import median_ms, synchronize
 
 import fuselm
+from fuselm.generation.engine import DecodeEngine
 from fuselm.patching.modules import FusedDecoderLayer
 
 IMPLS = ("fuselm.generate", "fuselm+hf_generate")
@@ -52,6 +60,56 @@ def fused_prefill_off():
         yield
     finally:
         FusedDecoderLayer._fused_phase = fused_phase
+
+
+@contextlib.contextmanager
+def forward_marks(marks: list):
+    """``DecodeEngine._forward`` (the prefill forward of both call paths) appends a (time, CUDA event) pair to
+    ``marks`` as it starts and as it returns."""
+    forward = DecodeEngine._forward
+
+    def marked(self, *args, **kwargs):
+        marks.append(mark())
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            marks.append(mark())
+
+    DecodeEngine._forward = marked
+    try:
+        yield
+    finally:
+        DecodeEngine._forward = forward
+
+
+def mark() -> tuple[float, torch.cuda.Event | None]:
+    """The host's clock and, on a GPU, a CUDA event recorded on the current stream."""
+    event = None
+    if torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    return time.perf_counter(), event
+
+
+def phases(call, repeats: int) -> dict:
+    """Median ms of each phase of ``call`` (lead, forward, tail: see the module's docstring), by CUDA events
+    (``*_event_ms``; the host's clock without a GPU) and by the host's clock (``*_host_ms``)."""
+    cuts: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        marks: list = []
+        synchronize()
+        marks.append(mark())
+        with forward_marks(marks):
+            call()
+        marks.append(mark())
+        synchronize()
+        if len(marks) != 4:
+            raise RuntimeError(f"expected one prefill forward per call, saw {(len(marks) - 2) // 2}")
+        for name, (a, b) in zip(("lead", "forward", "tail"), zip(marks, marks[1:])):
+            cuts.setdefault(f"{name}_host_ms", []).append((b[0] - a[0]) * 1e3)
+            gpu = a[1].elapsed_time(b[1]) if a[1] is not None else (b[0] - a[0]) * 1e3
+            cuts.setdefault(f"{name}_event_ms", []).append(gpu)
+    return {name: statistics.median(values) for name, values in cuts.items()}
 
 
 def merged_ms(spans: list[tuple[float, float]]) -> float:
@@ -106,12 +164,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--grow-to", type=int, default=0, help="one call of a prompt this long first (cache length)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU (checks the script)")
     args = parser.parse_args()
     model = e2e.build(args.layers, smoke=args.smoke)
     fuselm.patch(model)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), device=model.device)
+    if args.grow_to:
+        e2e.call(model, IMPLS[0], torch.randint(3, model.config.vocab_size, (1, args.grow_to), device=model.device), 1)
     rows = []
     for path in ("fused attention", "HF attention"):
         switch = fused_prefill_off() if path == "HF attention" else contextlib.nullcontext()
@@ -130,13 +191,17 @@ def main() -> None:
                     call()
                     synchronize()
                     walls.append((time.perf_counter() - began) * 1e3)
+                cut = phases(call, args.repeats)
                 figures, table = profiled(call)
-                row = {"impl": impl, "prefill": path, "batch": 1, "prompt": args.prompt, "event_ms": event_ms,
-                       "wall_ms": statistics.median(walls), **figures}
+                row = {"impl": impl, "prefill": path, "batch": 1, "prompt": args.prompt, "grow_to": args.grow_to,
+                       "event_ms": event_ms, "wall_ms": statistics.median(walls), "phases": cut, **figures}
                 rows.append(row)
                 print(f"{impl:>20} {path:<20} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
                       f"kernels {figures['kernel_ms']:7.2f} ({figures['kernels']})  idle {figures['idle_ms']:6.2f}  "
                       f"lead {figures['lead_ms']:6.2f}  waits {figures['waits']}", flush=True)
+                print("    phases (event / host ms): " + "  ".join(
+                    f"{name} {cut[name + '_event_ms']:.2f} / {cut[name + '_host_ms']:.2f}"
+                    for name in ("lead", "forward", "tail")), flush=True)
                 for name, entry in list(figures["kernels_by_name"].items())[:12]:
                     print(f"    kernel {entry['ms']:8.3f} ms {entry['count']:5d}x  {name}", flush=True)
                 print(table, flush=True)
@@ -148,10 +213,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"\n{'impl':>20} {'prefill':<20} {'event':>8} {'wall':>8} {'kernels':>8} {'idle':>7} {'lead':>7}")
+    print(f"\n{'impl':>20} {'prefill':<20} {'event':>8} {'wall':>8} {'kernels':>8} {'idle':>7} {'lead':>7}"
+          f" {'lead/fwd/tail (events)':>24}")
     for row in rows:
+        cut = row["phases"]
         print(f"{row['impl']:>20} {row['prefill']:<20} {row['event_ms']:8.2f} {row['wall_ms']:8.2f} "
-              f"{row['kernel_ms']:8.2f} {row['idle_ms']:7.2f} {row['lead_ms']:7.2f}")
+              f"{row['kernel_ms']:8.2f} {row['idle_ms']:7.2f} {row['lead_ms']:7.2f} "
+              f"{cut['lead_event_ms']:8.2f}{cut['forward_event_ms']:8.2f}{cut['tail_event_ms']:8.2f}")
 
 
 if __name__ == "__main__":

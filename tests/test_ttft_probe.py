@@ -19,13 +19,17 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
     probe = benchmark_script("ttft_probe", monkeypatch)
     out = tmp_path / "ttft.json"
     monkeypatch.setattr("sys.argv", ["ttft_probe.py", "--smoke", "--layers", "2", "--prompt", "24", "--repeats", "1",
-                                     "--out", str(out)])
+                                     "--grow-to", "40", "--out", str(out)])
     probe.main()
     rows = json.loads(out.read_text())["rows"]
     assert [(row["impl"], row["prefill"]) for row in rows] == [
         (impl, path) for path in ("fused attention", "HF attention") for impl in probe.IMPLS]
     for row in rows:
         assert row["event_ms"] > 0 and row["wall_ms"] > 0 and row["span_ms"] > 0 and row["lead_ms"] >= 0
+        assert row["grow_to"] == 40
+        assert sorted(row["phases"]) == sorted(f"{phase}_{clock}_ms" for phase in ("lead", "forward", "tail")
+                                               for clock in ("event", "host"))
+        assert all(value > 0 for value in row["phases"].values())
 
 
 def test_the_switch_sends_prefills_to_hf_attention_and_back(monkeypatch):

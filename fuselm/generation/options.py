@@ -86,7 +86,9 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
             return f"{name} is not supported by fuselm's decode loop"
     kwargs = {k: v for k, v in kwargs.items() if k not in _CALL_ARGUMENTS}
     base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    # a shallow copy: ``update`` only sets attributes on it (a deep copy of the model's config costs ~0.1 ms of the
+    # first token's host time on every call)
+    config = copy.copy(base) if base is not None else GenerationConfig()
     model_inputs = config.update(**kwargs)
     model_inputs.pop("use_cache", None)
     if model_inputs:

@@ -176,6 +176,17 @@ def test_max_length_counts_the_prompt():
                        hf_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False))
 
 
+def test_a_call_leaves_the_models_generation_config_as_it_was():
+    """The call's options go to a copy: the model's own config keeps its values (``read_options`` copies it)."""
+    model = decode_model("llama")
+    model.generation_config.eos_token_id = [5, 6]
+    before = model.generation_config.to_dict()
+    options = read_options(model, PROMPT, None, dict(max_new_tokens=4, do_sample=True, temperature=0.5, top_k=3,
+                                                   eos_token_id=[7], repetition_penalty=1.3))
+    assert (options.max_new_tokens, options.temperature, options.top_k, options.eos) == (4, 0.5, 3, (7,))
+    assert model.generation_config.to_dict() == before
+
+
 @pytest.mark.parametrize("case", ["beams", "processor", "head_dim", "training", "right_padding"])
 def test_fallbacks_warn_and_give_hfs_result(case):
     model = tiny_model("llama", head_dim=24) if case == "head_dim" else decode_model("llama")
