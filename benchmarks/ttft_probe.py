@@ -19,6 +19,9 @@ switched off), one B1 prompt of ``--prompt`` tokens:
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
     python benchmarks/ttft_probe.py --smoke        (a tiny model on the CPU: checks the script)
 
+``--cprofile`` adds, per row, the host's Python functions by own time over ``--repeats`` calls (cProfile, which
+inflates the host's time: the shares are what counts) to the log.
+
 ``--grow-to N`` runs one call of an N-token prompt first, so the B1 cache is longer than the prompt needs (as in
 e2e.py, whose 2048-token rows may follow an 8192-token call).
 """
@@ -27,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import json
+import pstats
 import statistics
 import time
 
@@ -165,6 +170,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--grow-to", type=int, default=0, help="one call of a prompt this long first (cache length)")
+    parser.add_argument("--cprofile", action="store_true", help="the host's Python functions by own time, per row")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU (checks the script)")
     args = parser.parse_args()
@@ -202,6 +208,13 @@ def main() -> None:
                 print("    phases (event / host ms): " + "  ".join(
                     f"{name} {cut[name + '_event_ms']:.2f} / {cut[name + '_host_ms']:.2f}"
                     for name in ("lead", "forward", "tail")), flush=True)
+                if args.cprofile:
+                    profiler = cProfile.Profile()
+                    for _ in range(args.repeats):
+                        profiler.runcall(call)
+                    synchronize()
+                    print(f"    {args.repeats} calls under cProfile, top functions by own time:", flush=True)
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
                 for name, entry in list(figures["kernels_by_name"].items())[:12]:
                     print(f"    kernel {entry['ms']:8.3f} ms {entry['count']:5d}x  {name}", flush=True)
                 print(table, flush=True)

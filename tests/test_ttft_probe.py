@@ -19,7 +19,7 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
     probe = benchmark_script("ttft_probe", monkeypatch)
     out = tmp_path / "ttft.json"
     monkeypatch.setattr("sys.argv", ["ttft_probe.py", "--smoke", "--layers", "2", "--prompt", "24", "--repeats", "1",
-                                     "--grow-to", "40", "--out", str(out)])
+                                     "--grow-to", "40", "--cprofile", "--out", str(out)])
     probe.main()
     rows = json.loads(out.read_text())["rows"]
     assert [(row["impl"], row["prefill"]) for row in rows] == [
