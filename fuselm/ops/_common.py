@@ -481,15 +481,20 @@ class FusedOp:
     profiler records, so both see ``fuselm::<name>``; otherwise straight into ``impl``, inside a
     torch.autograd.Function running the same ``setup_context`` and ``backward``. Same arithmetic,
     without torch.library's per-call Python dispatch (~55 µs of host time per call measured on the
-    GPU machine, benchmarks/NOTES.md). Either way ``impl`` runs under its first argument's device
-    (:func:`on_input_device`), including inside compiled graphs, which call the registered op.
+    GPU machine, benchmarks/NOTES.md). An op that writes into its arguments (``mutates_args``) goes
+    straight into ``impl`` when no tensor argument needs a gradient (autograd then keeps
+    torch.library's route), and bumps those arguments' version counters as torch.library would:
+    the prefill's cache write is one such call per layer. Either way ``impl`` runs under its first
+    argument's device (:func:`on_input_device`), including inside compiled graphs, which call the
+    registered op.
     """
 
     def __init__(self, name: str, impl, *, fake, mutates_args: tuple[str, ...] = (), setup_context=None,
                  backward=None):
         schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
         self.impl = impl = on_input_device(impl)
-        self.direct = not mutates_args  # torch.library bumps mutated tensors' version counters: keep it
+        names = list(inspect.signature(impl).parameters)
+        self.mutated = tuple(names.index(name) for name in mutates_args)  # positions whose versions a call bumps
         self.op = torch.library.custom_op(f"fuselm::{name}", impl, mutates_args=mutates_args, schema=schema)
         self.op.register_fake(fake)
         self.autograd = None
@@ -510,9 +515,16 @@ class FusedOp:
                                  {"forward": staticmethod(forward), "backward": staticmethod(backward_of_apply)})
 
     def __call__(self, *args):
-        if (not self.direct or torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
-                or is_fake(args[0])):
+        if torch.compiler.is_compiling() or torch.autograd._profiler_enabled() or is_fake(args[0]):
             return self.op(*args)
+        if self.mutated:
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return self.op(*args)
+            output = self.impl(*args)
+            for index in self.mutated:
+                if args[index] is not None:
+                    torch.autograd.graph.increment_version(args[index])
+            return output
         if self.autograd is not None and torch.is_grad_enabled():
             output = self.autograd.apply(*args)
             return list(output) if self.list_output else output

@@ -4,6 +4,7 @@ over runtime bounds run under the interpreter with any numpy."""
 import json
 import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from fuselm.backend import INTERPRETING
 from fuselm.ops import _common
 from fuselm.ops.glu import GLU
 from fuselm.ops.rms_norm import ADD_RMS_NORM
+from fuselm.ops.rope import ROPE_INPLACE
 from tests.helpers import grads, randn
 
 
@@ -67,6 +69,25 @@ def test_in_place_op_bumps_version_counters(device):
     with fuselm.use_backend("triton"):
         fuselm.rope(q, k, cos, sin, inplace=True)
     assert q._version > before[0] and k._version > before[1]
+
+
+def test_in_place_op_goes_direct_with_torch_librarys_result_and_versions(device):
+    """An op that writes into its arguments skips torch.library's dispatch when nothing needs a gradient, with the
+    same result and the same version-counter bumps; with an input needing one, torch.library's route is kept."""
+    q, k = randn(1, 2, 3, 8, device=device), randn(1, 1, 3, 8, device=device)
+    cos, sin = randn(1, 3, 8, device=device), randn(1, 3, 8, device=device)
+    library_q, library_k = q.clone(), k.clone()
+    with fuselm.use_backend("triton"):
+        ROPE_INPLACE.op(library_q, library_k, cos, sin, "bhsd")
+        versions = q._version, k._version, cos._version
+        with mock.patch.object(ROPE_INPLACE, "op", side_effect=AssertionError("torch.library was called")):
+            ROPE_INPLACE(q, k, cos, sin, "bhsd")
+        assert torch.equal(q, library_q) and torch.equal(k, library_k)
+        assert (q._version, k._version, cos._version) == (versions[0] + 1, versions[1] + 1, versions[2])
+        cos.requires_grad_()
+        with mock.patch.object(ROPE_INPLACE, "op") as library:
+            ROPE_INPLACE(q, k, cos, sin, "bhsd")
+        library.assert_called_once()
 
 
 class _FakeTuner:
