@@ -19,6 +19,10 @@ switched off), one B1 prompt of ``--prompt`` tokens:
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
     python benchmarks/ttft_probe.py --smoke        (a tiny model on the CPU: checks the script)
 
+``--host-parts`` adds, per row, the host's time in each part of the prefill forward (perf_counter around the
+decoder layer, its attention block, q/k/v, SDPA, the linears, the norms and the MLP; inclusive, so parts nest),
+per call: where the host's time per layer goes when the forward is host-bound.
+
 ``--cprofile`` adds, per row, the host's Python functions by own time over ``--repeats`` calls (cProfile, which
 inflates the host's time: the shares are what counts) to the log.
 
@@ -117,6 +121,47 @@ def phases(call, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in cuts.items()}
 
 
+def host_parts(model) -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of the functions ``--host-parts`` times: the model's decoder layer class and what
+    its prefill calls (looked up where the caller finds them, so a wrapper there is what runs)."""
+    from fuselm.patching import decode, modules
+
+    layer = model.model.layers[0]
+    return [("layer", type(layer), "forward"), ("  phase check", type(layer), "_fused_phase"),
+            ("  input norm", type(layer.input_layernorm), "forward"),
+            ("  attention block", decode, "prefill_attention"), ("    q/k/v (_queries)", decode, "_queries"),
+            ("      qkv_rope op", decode, "qkv_rope"), ("    sdpa", decode, "sdpa_attention_forward"),
+            ("  add+norm", modules, "add_then_norm"), ("  mlp", type(layer.mlp), "forward"),
+            ("  add+prime", type(layer), "_add_and_prime"), ("nn.Linear (all)", torch.nn.Linear, "forward")]
+
+
+@contextlib.contextmanager
+def timing_parts(parts: list[tuple[str, object, str]], totals: dict):
+    """Each (label, owner, attribute) of ``parts`` wrapped to add its calls and host ms to ``totals[label]``."""
+    saved = []
+    for label, owner, name in parts:
+        inner = getattr(owner, name)
+        saved.append((owner, name, owner.__dict__.get(name)))
+
+        def wrapper(*args, _inner=inner, _label=label, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                count, ms = totals.get(_label, (0, 0.0))
+                totals[_label] = (count + 1, ms + (time.perf_counter() - began) * 1e3)
+
+        setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
 def merged_ms(spans: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) spans, in ms (profiler times are in us)."""
     total, reach = 0.0, None
@@ -170,6 +215,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--grow-to", type=int, default=0, help="one call of a prompt this long first (cache length)")
+    parser.add_argument("--host-parts", action="store_true", help="the host's ms per part of the prefill forward")
     parser.add_argument("--cprofile", action="store_true", help="the host's Python functions by own time, per row")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU (checks the script)")
@@ -208,6 +254,20 @@ def main() -> None:
                 print("    phases (event / host ms): " + "  ".join(
                     f"{name} {cut[name + '_event_ms']:.2f} / {cut[name + '_host_ms']:.2f}"
                     for name in ("lead", "forward", "tail")), flush=True)
+                if args.host_parts:
+                    totals: dict = {}
+                    parts = host_parts(model)
+                    with timing_parts(parts, totals):
+                        for _ in range(args.repeats):
+                            call()
+                            synchronize()
+                    row["host_parts"] = {label: {"calls": totals[label][0] / args.repeats,
+                                                 "ms": totals[label][1] / args.repeats}
+                                         for label, _, _ in parts if label in totals}
+                    print("    host ms per call by part (inclusive; calls per call):", flush=True)
+                    for label, entry in row["host_parts"].items():
+                        print(f"      {label:<24} {entry['ms']:8.2f} ms {entry['calls']:6.0f}x  "
+                              f"{entry['ms'] / max(entry['calls'], 1) * 1e3:7.1f} us each", flush=True)
                 if args.cprofile:
                     profiler = cProfile.Profile()
                     for _ in range(args.repeats):

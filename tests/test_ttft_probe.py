@@ -19,7 +19,7 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
     probe = benchmark_script("ttft_probe", monkeypatch)
     out = tmp_path / "ttft.json"
     monkeypatch.setattr("sys.argv", ["ttft_probe.py", "--smoke", "--layers", "2", "--prompt", "24", "--repeats", "1",
-                                     "--grow-to", "40", "--cprofile", "--out", str(out)])
+                                     "--grow-to", "40", "--cprofile", "--host-parts", "--out", str(out)])
     probe.main()
     rows = json.loads(out.read_text())["rows"]
     assert [(row["impl"], row["prefill"]) for row in rows] == [
@@ -30,6 +30,9 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
         assert sorted(row["phases"]) == sorted(f"{phase}_{clock}_ms" for phase in ("lead", "forward", "tail")
                                                for clock in ("event", "host"))
         assert all(value > 0 for value in row["phases"].values())
+        parts = row["host_parts"]
+        assert parts["layer"]["calls"] == 2 and parts["nn.Linear (all)"]["calls"] > 0
+        assert parts["layer"]["ms"] >= parts["  mlp"]["ms"] > 0
 
 
 def test_the_switch_sends_prefills_to_hf_attention_and_back(monkeypatch):
