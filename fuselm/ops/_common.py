@@ -395,6 +395,38 @@ def _from_table(tuner, kwargs: dict, configs: list) -> list:
 _TUNERS: list = []  # every GPU autotuner :func:`autotune` made, for :func:`autotune_picks`
 
 
+def launch_key(tuner, names: frozenset, args: tuple, kwargs: dict) -> tuple:
+    """The key triton's ``Autotuner.run`` files the launch ``tuner.run(*args, **kwargs)`` under (as
+    :func:`_tuning_key`), computed from the launch's arguments: ``names`` is ``frozenset(tuner.arg_names)``."""
+    named = dict(zip(tuner.arg_names, args))
+    named.update((name, value) for name, value in kwargs.items() if name in names)
+    return tuple([named[name] for name in tuner.keys if name in named]
+                 + [str(value.dtype) for value in named.values() if hasattr(value, "dtype")])
+
+
+def launching_tuned_configs_directly(tuner):
+    """``tuner`` (a ``triton.autotune`` kernel) made to launch a key it has tuned straight through its kernel's
+    ``run``, with the config it chose, as its own ``run`` does after the same cache lookup; a new key, one config, or
+    a config with a pre-hook take triton's path. Triton's ``run`` builds the key with a list-membership test per
+    argument (quadratic in the ~50 arguments of the decode kernels): ~25-50 µs of host per launch on the GPU
+    machine, where an eager prefill or training step launches fuselm's kernels faster than the GPU runs them only
+    when each launch is cheap (benchmarks/NOTES.md)."""
+    if not hasattr(tuner, "cache"):  # no triton: the stand-in decorators left the plain function
+        return tuner
+    tuned_run, names = tuner.run, frozenset(tuner.arg_names)
+
+    def run(*args, **kwargs):
+        if len(tuner.configs) > 1:
+            config = tuner.cache.get(launch_key(tuner, names, args, kwargs))
+            if config is not None and config.pre_hook is None:
+                tuner.best_config = config
+                return tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+        return tuned_run(*args, **kwargs)
+
+    tuner.run = run
+    return tuner
+
+
 def autotune(configs: list[triton.Config], key: list[str], **options):
     """``triton.autotune`` on a GPU (compiling a new key's configs in parallel: :func:`compiling_in_parallel`); under
     the interpreter, which cannot time, one config: the first, or the one :func:`forced_config` forces. Either way
@@ -403,7 +435,7 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
         tune = triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
 
         def tuned(fn):
-            tuner = compiling_in_parallel(tune(fn))
+            tuner = launching_tuned_configs_directly(compiling_in_parallel(tune(fn)))
             _TUNERS.append(tuner)
             return tuner
 

@@ -90,6 +90,67 @@ def test_in_place_op_goes_direct_with_torch_librarys_result_and_versions(device)
         library.assert_called_once()
 
 
+@triton.jit
+def _launch_key_kernel(x_ptr, y_ptr, n, scale, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    # Never launched: the tests below stand a recorder in for its run.
+    pass
+
+
+class _RunRecorder:
+    """Stands in for a JIT function's ``run``: records each launch's config meta-parameter."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.blocks.append(kwargs["BLOCK"])
+
+
+def _recording_tuner(pre_hook=None):
+    configs = [triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64}, pre_hook=pre_hook)]
+    tuner = triton.autotune(configs, key=["n", "FLAG"])(_launch_key_kernel)
+    recorder = tuner.fn = _RunRecorder()
+    return tuner, recorder
+
+
+def test_launch_key_is_the_key_triton_looks_up():
+    """Triton's own ``Autotuner.run`` finds, without tuning, the config filed under ``launch_key``'s key: positional
+    and keyword arguments, constexprs and dtypes in triton's order."""
+    tuner, recorder = _recording_tuner()
+    args = (torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32), 7)
+    kwargs = {"scale": 0.5, "FLAG": True, "grid": (1,), "warmup": False}
+    key = _common.launch_key(tuner, frozenset(tuner.arg_names), args, kwargs)
+    assert key == (7, True, "torch.bfloat16", "torch.int32")
+    tuner.cache[key] = tuner.configs[1]
+    tuner.prune_configs = mock.Mock(side_effect=AssertionError("triton's run looked up another key and tuned"))
+    type(tuner).run(tuner, *args, **kwargs)
+    assert recorder.blocks == [64]
+
+
+def test_a_tuned_key_launches_directly_and_a_new_one_takes_tritons_path():
+    tuner, recorder = _recording_tuner()
+    tuner.run = tritons = mock.Mock()
+    _common.launching_tuned_configs_directly(tuner)
+    args, kwargs = (torch.zeros(3), torch.zeros(3), 7, 0.5), {"FLAG": False}
+    tuner.cache[_common.launch_key(tuner, frozenset(tuner.arg_names), args, kwargs)] = tuner.configs[1]
+    tuner[(1,)](*args, **kwargs)
+    assert recorder.blocks == [64] and tuner.best_config is tuner.configs[1] and not tritons.called
+    tuner[(1,)](torch.zeros(3), torch.zeros(3), 9, 0.5, FLAG=False)  # key n = 9: not tuned yet
+    tritons.assert_called_once()
+    assert recorder.blocks == [64]
+
+
+def test_a_config_with_a_pre_hook_takes_tritons_path():
+    tuner, recorder = _recording_tuner(pre_hook=lambda nargs: None)
+    tuner.run = tritons = mock.Mock()
+    _common.launching_tuned_configs_directly(tuner)
+    args, kwargs = (torch.zeros(3), torch.zeros(3), 7, 0.5), {"FLAG": False}
+    tuner.cache[_common.launch_key(tuner, frozenset(tuner.arg_names), args, kwargs)] = tuner.configs[1]
+    tuner[(1,)](*args, **kwargs)
+    tritons.assert_called_once()
+    assert recorder.blocks == []
+
+
 class _FakeTuner:
     """What compiling_in_parallel uses of a triton Autotuner: prune_configs, nargs (set by its run), fn.run."""
 
