@@ -493,9 +493,12 @@ def summarise(full: Profiled, cut: Profiled, layers: int, cut_layers: int, cuda:
         for launch in full.launches:
             by_kind[launch.kind] += (launch.end_us - launch.start_us) / 1e3 / full.steps
         busy, window = busy_and_window_us(full.launches)
+        if not window:
+            raise RuntimeError("the profiler recorded no GPU kernel in the profiled steps (CUPTI may have failed, "
+                               "e.g. out of GPU memory): no GPU times to report; profile again")
         cut_busy, _ = busy_and_window_us(cut.launches)
         row.update(gpu_ms_by_kind=by_kind, busy_ms=busy / 1e3 / full.steps, window_ms=window / 1e3 / full.steps,
-                   idle_share=1 - busy / window if window else 0.0,
+                   idle_share=1 - busy / window,
                    busy_us_per_layer=(busy / full.steps - cut_busy / cut.steps) / (layers - cut_layers))
     return row
 

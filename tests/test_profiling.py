@@ -157,6 +157,14 @@ def test_gpu_rows_and_table_from_launches(tiny_dir):
         assert label in text
 
 
+def test_a_gpu_profile_without_kernels_is_a_clear_error():
+    """No GPU kernel recorded on CUDA (a failed profiler) gives no GPU figures, rather than a division by zero."""
+    nothing = profiling.Profiled([], 2)
+    with pytest.raises(RuntimeError, match="recorded no GPU kernel"):
+        profiling.summarise(nothing, nothing, 2, 1, cuda=True)
+    assert profiling.summarise(nothing, nothing, 2, 1, cuda=False)["launches_per_step"] == 0
+
+
 def test_decode_bound_counts_every_weight_once_and_the_kv_cache(tiny_dir):
     model = profiling.build(*profiling.resolve(tiny_dir), 2, torch.device("cpu"), torch.float32)
     config = model.config
