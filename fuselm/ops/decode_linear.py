@@ -583,13 +583,14 @@ _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per he
     # heads of 256 (Gemma) within shared memory. The last two give 32 rows 192 programs that fit two or more per SM
     # (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96 of 181 KB, one per SM.
     # Neither they nor SPLIT_K = 11 (48 head slots x 11 = 4 x 132 programs: every SM busy) beat it on an H100
-    # (benchmarks/NOTES.md, session 18).
+    # (benchmarks/NOTES.md, session 18). (1, 256, 2, 8, 3) is the pick with 8 warps: its counters (session 19) show
+    # one 4-warp program per SM whose x tile, norm and mma are not hidden behind the weight stream; not yet timed.
     triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k}, num_warps=w, num_stages=s)
     for split, k, split_k, w, s in [
         (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
         (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
         (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
-        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4)]
+        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4), (1, 256, 2, 8, 3)]
 ]
 _QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
