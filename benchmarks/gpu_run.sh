@@ -25,8 +25,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${FUSELM_TESTS:-}" != none ]; then
+  # one xdist worker per 10 GiB of GPU memory (at most one per core): 16 workers on an 80 GB H100 ran out of memory
+  # (session 19; the H200's 141 GB held them); an -n in FUSELM_TESTS comes later and wins
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  workers=$(( mib / 10240 )); workers=$(( workers < 1 ? 1 : workers > $(nproc) ? $(nproc) : workers ))
   # SIGINT on time-out, so pytest still prints which tests failed
-  timeout -s INT -k 30 "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest ${FUSELM_TESTS:-tests -m gpu} -q -rfE \
+  timeout -s INT -k 30 "${FUSELM_TEST_TIMEOUT:-300}" python3 -m pytest -n "$workers" ${FUSELM_TESTS:-tests -m gpu} -q -rfE \
     -p no:cacheprovider 2>&1 \
     | tee "$out/gpu-tests.log" | tail -n 25
 fi
