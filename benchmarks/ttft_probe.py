@@ -50,6 +50,7 @@ from timing import median_ms, synchronize
 import fuselm
 from fuselm.generation.engine import DecodeEngine
 from fuselm.patching.modules import FusedDecoderLayer
+from fuselm.profiling import Launch, busy_and_window_us
 
 IMPLS = ("fuselm.generate", "fuselm+hf_generate")
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -162,19 +163,6 @@ def timing_parts(parts: list[tuple[str, object, str]], totals: dict):
                 setattr(owner, name, original)
 
 
-def merged_ms(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) spans, in ms (profiler times are in us)."""
-    total, reach = 0.0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total / 1e3
-
-
 def profiled(call) -> tuple[dict, str]:
     """One call under torch.profiler: the row's profile figures and the top-ops table."""
     synchronize()
@@ -187,9 +175,9 @@ def profiled(call) -> tuple[dict, str]:
     marker = next(e for e in events if e.name == "call" and e.device_type == torch.autograd.DeviceType.CPU)
     # the GPU's work: every CUDA-side event but the "call" range itself, which the profiler mirrors there too
     on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "call"]
-    kernels = [(e.time_range.start, e.time_range.end) for e in on_gpu]
+    kernels = [Launch(e.name, "other", e.time_range.start, e.time_range.end) for e in on_gpu]
     span_ms = (marker.time_range.end - marker.time_range.start) / 1e3
-    kernel_ms = merged_ms(kernels)
+    kernel_ms = busy_and_window_us(kernels)[0] / 1e3  # overlaps merged
     waits = {}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(WAITING_CALLS):
@@ -200,7 +188,7 @@ def profiled(call) -> tuple[dict, str]:
         entry = by_name.setdefault(e.name[:90], [0, 0.0])
         entry[0] += 1
         entry[1] += (e.time_range.end - e.time_range.start) / 1e3
-    first = min((start for start, _ in kernels), default=marker.time_range.start)
+    first = min((launch.start_us for launch in kernels), default=marker.time_range.start)
     row = {"span_ms": span_ms, "kernel_ms": kernel_ms, "idle_ms": span_ms - kernel_ms,
            "lead_ms": (first - marker.time_range.start) / 1e3, "kernels": len(kernels),
            "waits": {name: {"count": c, "ms": round(ms, 3)} for name, (c, ms) in waits.items()},

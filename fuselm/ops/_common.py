@@ -363,11 +363,9 @@ def _key_text(key: tuple) -> str:
 
 
 def _tuning_key(tuner, kwargs: dict) -> tuple:
-    """The key triton's Autotuner.run files this launch under: the key arguments' values, then every tensor
-    argument's dtype as a string (triton 3.2-3.9). Should that change, table lookups miss and tuning runs."""
-    args = {name: value for name, value in {**tuner.nargs, **kwargs}.items() if name in tuner.arg_names}
-    return tuple([args[name] for name in tuner.keys if name in args]
-                 + [str(value.dtype) for value in args.values() if hasattr(value, "dtype")])
+    """The key triton's Autotuner.run files the launch it is tuning under (its positional arguments in
+    ``tuner.nargs``): :func:`launch_key`."""
+    return launch_key(tuner, frozenset(tuner.arg_names), tuple(tuner.nargs.values()), kwargs)
 
 
 def launch_device(tuner) -> torch.device | None:
@@ -396,8 +394,9 @@ _TUNERS: list = []  # every GPU autotuner :func:`autotune` made, for :func:`auto
 
 
 def launch_key(tuner, names: frozenset, args: tuple, kwargs: dict) -> tuple:
-    """The key triton's ``Autotuner.run`` files the launch ``tuner.run(*args, **kwargs)`` under (as
-    :func:`_tuning_key`), computed from the launch's arguments: ``names`` is ``frozenset(tuner.arg_names)``."""
+    """The key triton's ``Autotuner.run`` files the launch ``tuner.run(*args, **kwargs)`` under: the key arguments'
+    values, then every tensor argument's dtype as a string (triton 3.2-3.9; should that change, table lookups and
+    direct launches miss, and triton's path runs). ``names`` is ``frozenset(tuner.arg_names)``."""
     named = dict(zip(tuner.arg_names, args))
     named.update((name, value) for name, value in kwargs.items() if name in names)
     return tuple([named[name] for name in tuner.keys if name in named]
