@@ -2,11 +2,12 @@
 
 e2e.py times a prefill row as CUDA events around a whole ``generate`` call with one new token, so the GPU's idle
 time while the host prepares (and any host sync) counts. Here, per call path (``fuselm.generate`` and the patched
-model's ``model.generate``) and per prefill path (the fused prefill attention, and HF's attention with that
-switched off), one B1 prompt of ``--prompt`` tokens:
+model's ``model.generate``) and per prefill path (the fused prefill attention replayed from its CUDA graph, as a
+prompt length's third and later calls run; the fused prefill attention run eagerly, as a length's first call runs;
+HF's attention with the fused one switched off, eagerly), one B1 prompt of ``--prompt`` tokens:
 
 - ``event_ms``: e2e's figure (median of ``--repeats`` calls after two warm-up calls);
-- ``phases``: the same calls cut at the prefill forward (``DecodeEngine._forward``, which both call paths run), by
+- ``phases``: the same calls cut at the prefill (``DecodeEngine._prefill``, which both call paths run), by
   CUDA events and by the host's clock, medians: ``lead`` (call start to the forward's start: the GPU waits for the
   host's planning), ``forward`` (the forward's kernels and any gaps between them) and ``tail`` (the forward's end to
   the call's return: the first token's choice and the output);
@@ -21,7 +22,7 @@ switched off), one B1 prompt of ``--prompt`` tokens:
 
 ``--host-parts`` adds, per row, the host's time in each part of the prefill forward (perf_counter around the
 decoder layer, its attention block, q/k/v, SDPA, the linears, the norms and the MLP; inclusive, so parts nest),
-per call: where the host's time per layer goes when the forward is host-bound.
+per call, for the eager rows: where the host's time per layer goes when the forward is host-bound.
 
 ``--cprofile`` adds, per row, the host's Python functions by own time over ``--repeats`` calls (cProfile, which
 inflates the host's time: the shares are what counts) to the log.
@@ -48,11 +49,14 @@ import triton
 from timing import median_ms, synchronize
 
 import fuselm
+from fuselm.generation import engine as engine_module
+from fuselm.generation.api import engine_of
 from fuselm.generation.engine import DecodeEngine
 from fuselm.patching.modules import FusedDecoderLayer
 from fuselm.profiling import Launch, busy_and_window_us
 
 IMPLS = ("fuselm.generate", "fuselm+hf_generate")
+PATHS = (("fused attention", "graph"), ("fused attention", "eager"), ("HF attention", "eager"))
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -73,10 +77,21 @@ def fused_prefill_off():
 
 
 @contextlib.contextmanager
+def prefill_graphs_off():
+    """Every prefill runs eagerly, as a prompt length's first call does."""
+    tokens = engine_module.PREFILL_GRAPH_TOKENS
+    engine_module.PREFILL_GRAPH_TOKENS = 0
+    try:
+        yield
+    finally:
+        engine_module.PREFILL_GRAPH_TOKENS = tokens
+
+
+@contextlib.contextmanager
 def forward_marks(marks: list):
-    """``DecodeEngine._forward`` (the prefill forward of both call paths) appends a (time, CUDA event) pair to
-    ``marks`` as it starts and as it returns."""
-    forward = DecodeEngine._forward
+    """``DecodeEngine._prefill`` (the prefill of both call paths, replayed or eager) appends a (time, CUDA event)
+    pair to ``marks`` as it starts and as it returns."""
+    forward = DecodeEngine._prefill
 
     def marked(self, *args, **kwargs):
         marks.append(mark())
@@ -85,11 +100,11 @@ def forward_marks(marks: list):
         finally:
             marks.append(mark())
 
-    DecodeEngine._forward = marked
+    DecodeEngine._prefill = marked
     try:
         yield
     finally:
-        DecodeEngine._forward = forward
+        DecodeEngine._prefill = forward
 
 
 def mark() -> tuple[float, torch.cuda.Event | None]:
@@ -214,9 +229,13 @@ def main() -> None:
     if args.grow_to:
         e2e.call(model, IMPLS[0], torch.randint(3, model.config.vocab_size, (1, args.grow_to), device=model.device), 1)
     rows = []
-    for path in ("fused attention", "HF attention"):
-        switch = fused_prefill_off() if path == "HF attention" else contextlib.nullcontext()
-        with switch:
+    for path, mode in PATHS:
+        switches = contextlib.ExitStack()
+        if path == "HF attention":
+            switches.enter_context(fused_prefill_off())
+        if mode == "eager":
+            switches.enter_context(prefill_graphs_off())
+        with switches:
             for impl in IMPLS:
                 def call(impl=impl):
                     return e2e.call(model, impl, prompt, 1)
@@ -233,16 +252,17 @@ def main() -> None:
                     walls.append((time.perf_counter() - began) * 1e3)
                 cut = phases(call, args.repeats)
                 figures, table = profiled(call)
-                row = {"impl": impl, "prefill": path, "batch": 1, "prompt": args.prompt, "grow_to": args.grow_to,
-                       "event_ms": event_ms, "wall_ms": statistics.median(walls), "phases": cut, **figures}
+                replayed = args.prompt in engine_of(model)._buckets[1].prefills.graphs and mode == "graph"
+                row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": 1,
+                       "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms, "wall_ms": statistics.median(walls), "phases": cut, **figures}
                 rows.append(row)
-                print(f"{impl:>20} {path:<20} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
+                print(f"{impl:>20} {path:<16} {mode:<5} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
                       f"kernels {figures['kernel_ms']:7.2f} ({figures['kernels']})  idle {figures['idle_ms']:6.2f}  "
                       f"lead {figures['lead_ms']:6.2f}  waits {figures['waits']}", flush=True)
                 print("    phases (event / host ms): " + "  ".join(
                     f"{name} {cut[name + '_event_ms']:.2f} / {cut[name + '_host_ms']:.2f}"
                     for name in ("lead", "forward", "tail")), flush=True)
-                if args.host_parts:
+                if args.host_parts and mode == "eager":
                     totals: dict = {}
                     parts = host_parts(model)
                     with timing_parts(parts, totals):
@@ -274,11 +294,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"\n{'impl':>20} {'prefill':<20} {'event':>8} {'wall':>8} {'kernels':>8} {'idle':>7} {'lead':>7}"
+    print(f"\n{'impl':>20} {'prefill':<16} {'mode':<5} {'event':>8} {'wall':>8} {'kernels':>8} {'idle':>7} {'lead':>7}"
           f" {'lead/fwd/tail (events)':>24}")
     for row in rows:
         cut = row["phases"]
-        print(f"{row['impl']:>20} {row['prefill']:<20} {row['event_ms']:8.2f} {row['wall_ms']:8.2f} "
+        print(f"{row['impl']:>20} {row['prefill']:<16} {row['mode']:<5} {row['event_ms']:8.2f} {row['wall_ms']:8.2f} "
               f"{row['kernel_ms']:8.2f} {row['idle_ms']:7.2f} {row['lead_ms']:7.2f} "
               f"{cut['lead_event_ms']:8.2f}{cut['forward_event_ms']:8.2f}{cut['tail_event_ms']:8.2f}")
 

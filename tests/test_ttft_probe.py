@@ -22,14 +22,18 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
                                      "--grow-to", "40", "--cprofile", "--host-parts", "--out", str(out)])
     probe.main()
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["impl"], row["prefill"]) for row in rows] == [
-        (impl, path) for path in ("fused attention", "HF attention") for impl in probe.IMPLS]
+    assert [(row["impl"], row["prefill"], row["mode"]) for row in rows] == [
+        (impl, path, mode) for path, mode in probe.PATHS for impl in probe.IMPLS]
     for row in rows:
+        assert row["replayed"] is False  # the CPU has no graphs
         assert row["event_ms"] > 0 and row["wall_ms"] > 0 and row["span_ms"] > 0 and row["lead_ms"] >= 0
         assert row["grow_to"] == 40
         assert sorted(row["phases"]) == sorted(f"{phase}_{clock}_ms" for phase in ("lead", "forward", "tail")
                                                for clock in ("event", "host"))
         assert all(value > 0 for value in row["phases"].values())
+        if row["mode"] == "graph":
+            assert "host_parts" not in row
+            continue
         parts = row["host_parts"]
         assert parts["layer"]["calls"] == 2 and parts["nn.Linear (all)"]["calls"] > 0
         assert parts["layer"]["ms"] >= parts["  mlp"]["ms"] > 0

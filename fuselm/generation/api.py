@@ -70,8 +70,12 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
         return None, reason
     if attention_mask is not None:
         attention_mask = attention_mask.to(input_ids.device)
-        if not bool((attention_mask.long().diff(dim=-1) >= 0).all()):
+        left_only, unpadded = torch.stack(((attention_mask.long().diff(dim=-1) >= 0).all(),
+                                           attention_mask.bool().all())).tolist()  # one read for both
+        if not left_only:
             return None, "attention_mask has padding after a real token (only left padding is supported)"
+        if unpadded:
+            attention_mask = None  # no padding: HF's masks are those of no mask (its sdpa path skips an all-ones one)
     device = next(model.parameters()).device
     return engine.run(input_ids.to(device), attention_mask, options, streamer), None
 

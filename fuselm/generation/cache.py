@@ -293,6 +293,20 @@ class FusedKVCache(StaticCache):
             self._mirror_slots[device] = self.step_slots.to(device, non_blocking=True)
 
     @property
+    def spans_devices(self) -> bool:
+        """Whether the layers' buffers lie on more than one device (a model split with ``device_map``)."""
+        return bool(self._mirrors)
+
+    def host_fill(self) -> tuple[int | None, bool]:
+        """What the host knows of the fill (positions written per row since ``plan``, and whether the forward now
+        running started on an empty cache), to set again with :meth:`restore_host_fill` after a CUDA-graph replay
+        of a forward, which runs no Python."""
+        return self._host.filled, self._host.fresh
+
+    def restore_host_fill(self, fill: tuple[int | None, bool]) -> None:
+        self._host.filled, self._host.fresh = fill
+
+    @property
     def sliding_windows(self) -> tuple[int | None, ...]:
         """Per layer, the window a decode attention applies, or None (full attention)."""
         return tuple(layer.sliding_window for layer in self.layers)

@@ -7,7 +7,10 @@ Plan/run, per call:
    planned from the attention mask, and the call's options are loaded into device tensors.
 2. **prefill**: the model's own forward over the prompt, writing the cache (each fused layer's q/k/v epilogue writes
    the prompt's keys and values into it, and SDPA reads them there: ``prefill_attention`` in
-   ``fuselm/patching/decode.py``); the first token is chosen from its last logits.
+   ``fuselm/patching/decode.py``); the first token is chosen from its last logits. On CUDA a prompt length the
+   bucket has prefilled before (unpadded rows, at most ``PREFILL_GRAPH_TOKENS`` tokens) is captured as a CUDA graph
+   and replayed from then on: the eager forward launches hundreds of kernels, and a host slower than the GPU sets
+   its pace. The first call of a length runs eagerly, which also finishes its autotuning.
 3. **decode**: one step per new token, each the whole model over one token per row (the fused decoder layers'
    decode step, final norm, lm_head) plus the token choice (:mod:`fuselm.generation.choice`), with no host
    sync. On CUDA the step is captured once per (bucket, options mode) after a warm-up that finishes every
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import warnings
 import weakref
 
@@ -42,6 +46,8 @@ WARMUP_STEPS = 2  # eager steps before a capture: every autotune has finished by
 # the attention implementation the config names during a decode step: one HF has no mask function for, so the model's
 # forward builds no attention mask (the fused step never reads one; HF's mask for a cache is ~7 small kernels a step)
 UNMASKED = "fuselm_fused_decode"
+PREFILL_GRAPH_TOKENS = 8192  # prefills of at most this many tokens (rows x prompt) are captured when a length repeats
+PREFILL_GRAPHS = 4  # captured prefill lengths kept per bucket; the least recently used is freed first
 
 
 def batch_bucket(batch: int) -> int:
@@ -54,20 +60,27 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+_PARAMETER_FIELDS = operator.attrgetter("dtype", "device", "shape")
+
+
 def _fingerprint(model: nn.Module) -> tuple:
     """What a captured step and :func:`model_reason` depend on beyond the buffers, in one walk over the modules:
-    fuselm's backend, the model's mode, every module's class and whether a hook watches it, and every parameter's
-    storage, dtype, shape and device."""
+    fuselm's backend, the model's mode, every module's class and whether a hook watches it (as ``hooked`` reads
+    it), and every parameter's storage, dtype, device and shape. Host time before the prefill is the first token's:
+    the walk reads each module's ``__dict__`` once and the parameters' fields with C-level maps."""
     classes, watched, parameters, stack = [], [], [], [model]
-    while stack:  # depth first, as Module.modules() but without its generators (2.5x faster: host time per call)
+    while stack:  # depth first, as Module.modules() but without its generators (2.5x faster)
         module = stack.pop()
+        state = module.__dict__
         classes.append(type(module))
-        if hooked(module):
+        if (state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
+                or state["_backward_pre_hooks"] or "forward" in state):
             watched.append(len(classes))
-        parameters += module._parameters.values()
-        stack += module._modules.values()
-    return (get_backend(), model.training, tuple(classes), tuple(watched),
-            tuple((p.data_ptr(), p.dtype, p.shape, p.device) for p in parameters if p is not None))
+        parameters += state["_parameters"].values()
+        stack += state["_modules"].values()
+    parameters = [p for p in parameters if p is not None]
+    return (get_backend(), model.training, tuple(classes), tuple(watched), tuple(map(Tensor.data_ptr, parameters)),
+            tuple(map(_PARAMETER_FIELDS, parameters)))
 
 
 def model_reason(model: nn.Module) -> str | None:
@@ -113,7 +126,54 @@ class _Bucket:
         self.state = ChoiceState(batch, vocab, max_cache_len, model.device)
         self.rotary = RotaryTables(model, max_cache_len)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.prefills = PrefillGraphs()
         self.fingerprint: tuple | None = None
+
+
+class _PrefillGraph:
+    """One captured prefill: the graph, its input buffers (ids and positions, [B, T]), its last logits [B, V] and
+    what the host knows of the cache after it (``FusedKVCache.host_fill``, which a replay does not update)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, ids: Tensor, positions: Tensor, logits: Tensor, fill: tuple):
+        self.graph, self.ids, self.positions, self.logits, self.fill = graph, ids, positions, logits, fill
+
+    def replay(self, ids: Tensor, positions: Tensor, cache: FusedKVCache) -> Tensor:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        cache.restore_host_fill(self.fill)
+        return self.logits
+
+
+class PrefillGraphs:
+    """A bucket's captured prefills by prompt length: a length is captured the second time it comes (the first
+    call runs eagerly and finishes its autotuning), at most ``PREFILL_GRAPHS`` are kept (least recently used
+    freed first), and after a capture fails none is tried again until :meth:`clear`."""
+
+    def __init__(self):
+        self.graphs: dict[int, _PrefillGraph] = {}  # in order of use, the most recent last
+        self.seen: set[int] = set()
+        self.failed = False
+
+    def lookup(self, length: int) -> tuple[_PrefillGraph | None, bool]:
+        """(the graph for ``length`` or None, whether to capture it now); counts this call as a sighting."""
+        graph = self.graphs.pop(length, None)
+        if graph is not None:
+            self.graphs[length] = graph
+            return graph, False
+        capture = length in self.seen and not self.failed
+        self.seen.add(length)
+        return None, capture
+
+    def keep(self, length: int, graph: _PrefillGraph) -> None:
+        while len(self.graphs) >= PREFILL_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
+        self.graphs[length] = graph
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+        self.failed = False
 
 
 class DecodeEngine:
@@ -124,7 +184,8 @@ class DecodeEngine:
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None  # one CUDA-graph memory pool for every bucket's graphs (they never replay concurrently)
         self._cache_keyword = _cache_keyword(model)
-        self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        self.captures = 0  # decode steps captured so far (tests and benchmarks read it)
+        self.prefill_captures = 0  # prefills captured so far
         self._fingerprint: tuple | None = None  # the model's at the last model_reason() call,
         self._reason: str | None = None  # and model_reason's answer for it
 
@@ -160,7 +221,7 @@ class DecodeEngine:
         state.start(options, ids, batch)
         cache.plan(mask)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = self._forward(ids, positions, cache, mask if attention_mask is not None else None)
+        logits = self._prefill(bucket, ids, positions, mask if attention_mask is not None else None)
         state.positions.copy_(positions[:, -1:] + 1)
         state.choose(logits, options)
         scores, raw = [], []
@@ -194,6 +255,7 @@ class DecodeEngine:
         fingerprint = self._fingerprint if self._fingerprint is not None else _fingerprint(model)
         if bucket.fingerprint != fingerprint:
             bucket.graphs.clear()
+            bucket.prefills.clear()
             bucket.rotary.clear()
             bucket.fingerprint = fingerprint
         return bucket
@@ -205,6 +267,53 @@ class DecodeEngine:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **{self._cache_keyword: cache})
         return out.logits[:, -1, :]
+
+    def _prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """:meth:`_forward` over the prompt into the bucket's planned cache: a captured graph's replay for a length
+        the bucket prefilled before (:class:`PrefillGraphs`), else eagerly. Captured: CUDA, one device, no mask
+        (HF's mask for padded rows reads its values on the host) and at most ``PREFILL_GRAPH_TOKENS`` tokens (the
+        graph's activations stay in the graphs' memory pool)."""
+        cache = bucket.cache
+        if (mask is not None or cache.device.type != "cuda" or cache.spans_devices
+                or ids.numel() > PREFILL_GRAPH_TOKENS):
+            return self._forward(ids, positions, cache, mask)
+        length = ids.shape[1]
+        graph, capture = bucket.prefills.lookup(length)
+        if capture:
+            graph = self._capture_prefill(bucket, ids, positions)
+        if graph is None:
+            return self._forward(ids, positions, cache, None)
+        return graph.replay(ids, positions, cache)
+
+    def _capture_prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor) -> _PrefillGraph | None:
+        """Capture the prefill of ``ids`` [B, T] into the planned cache (not run: the caller replays it), or None
+        with a warning when it cannot be captured. The bucket's eager prefill of this length ran before, so every
+        kernel is tuned and every lazy setup done."""
+        cache = bucket.cache
+        fill = cache.host_fill()
+        static_ids, static_positions = ids.clone(), positions.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool()):
+                logits = self._forward(static_ids, static_positions, cache, None)
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager prefill, which is correct
+            torch.cuda.synchronize(cache.device)
+            cache.restore_host_fill(fill)
+            bucket.prefills.failed = True
+            warnings.warn(f"fuselm.generate: the prefill could not be captured in a CUDA graph "
+                          f"({type(error).__name__}: {error}); it runs eagerly", RuntimeWarning, stacklevel=4)
+            return None
+        captured = _PrefillGraph(graph, static_ids, static_positions, logits, cache.host_fill())
+        cache.restore_host_fill(fill)
+        bucket.prefills.keep(ids.shape[1], captured)
+        self.prefill_captures += 1
+        return captured
+
+    def _graph_pool(self):
+        """One CUDA-graph memory pool for every graph of this engine (they never replay concurrently)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def _decode_step(self, bucket: _Bucket, options: DecodeOptions) -> None:
         """One decode step on the bucket's buffers: the model over each row's last token, then the choice.
@@ -253,9 +362,7 @@ class DecodeEngine:
                     self._decode_step(bucket, options)
             torch.cuda.current_stream(device).wait_stream(side)
             _restore(state, cache, kept)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._graph_pool()):
                 self._decode_step(bucket, options)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager step, which is correct
             torch.cuda.synchronize(device)

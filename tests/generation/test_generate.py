@@ -268,6 +268,52 @@ def test_decode_step_builds_no_mask_and_gathers_the_rotary_embedding(name):
     assert model.config._attn_implementation == implementation
 
 
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+@pytest.mark.parametrize("prompt", [12, 24])
+def test_unpadded_prefill_never_syncs(name, prompt):
+    """What a prefill graph captures: the forward over an unpadded prompt (an all-ones mask is dropped: HF's masks
+    are those of no mask) reads nothing back; a prompt within DECODE_MAX_TOKENS takes the fused decode step, a
+    longer one the prefill path. The tokens are HF's with that mask."""
+    model = decode_model(name)
+    ids = token_ids(2, prompt)
+    mask = torch.ones_like(ids)
+    expected = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    fuselm.patch(model)
+    prefill, seen = engine_module.DecodeEngine._prefill, []
+
+    def watched(self, bucket, ids, positions, mask):
+        with HostSyncs() as syncs:
+            out = prefill(self, bucket, ids, positions, mask)
+        seen.append((mask, syncs.seen))
+        return out
+
+    with mock.patch.object(engine_module.DecodeEngine, "_prefill", watched):
+        out = fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    assert seen == [(None, [])]
+    assert torch.equal(out, expected)
+
+
+def test_prefill_graphs_capture_a_repeated_length_and_keep_the_recent_ones():
+    """The capture policy: a length is captured at its second call, replayed after; at most PREFILL_GRAPHS are kept
+    (least recently used freed first); a failed capture stops further tries until clear()."""
+    graphs = engine_module.PrefillGraphs()
+    assert graphs.lookup(10) == (None, False)
+    assert graphs.lookup(10) == (None, True)
+    graphs.keep(10, "graph 10")
+    assert graphs.lookup(10) == ("graph 10", False)
+    for length in range(11, 11 + engine_module.PREFILL_GRAPHS):
+        graphs.lookup(length)
+        graphs.lookup(length)
+        graphs.keep(length, f"graph {length}")
+        graphs.lookup(10)  # 10 stays the most recently used
+    assert 10 in graphs.graphs and 11 not in graphs.graphs and len(graphs.graphs) == engine_module.PREFILL_GRAPHS
+    assert graphs.lookup(11) == (None, True)  # freed, but seen: captured again at once
+    graphs.failed = True
+    assert graphs.lookup(11) == (None, False) and graphs.lookup(99) == (None, False)
+    graphs.clear()
+    assert graphs.graphs == {} and graphs.lookup(11) == (None, False) and graphs.lookup(11) == (None, True)
+
+
 def test_engine_is_freed_with_the_model():
     model = decode_model("llama")
     ids, mask = left_padded()
@@ -348,6 +394,32 @@ def test_fused_prefill_attention_in_bf16(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+def test_prefill_graph_replays_the_eager_prefill(name):
+    """bf16 on the GPU: an unpadded prompt length is prefilled eagerly at its first call, captured at its second
+    and replayed at its third, each with the first call's tokens and logits; another length in between (and its
+    capture) leaves the first's graph right; a left-padded batch is never captured."""
+    model = decode_model(name, torch.bfloat16)
+    fuselm.patch(model)
+    asked = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ids, other = token_ids(2, 40), token_ids(2, 33, seed=3)
+    engine = engine_of(model)
+    eager = fused_generate(model, ids, None, **asked)
+    assert engine.prefill_captures == 0
+    for captures in (1, 2, 2, 2):
+        out = fused_generate(model, ids, None, **asked)
+        assert torch.equal(out.sequences, eager.sequences)
+        assert rel_err(out.logits[0], eager.logits[0]) <= 1e-3
+        fused_generate(model, other, None, **asked)
+        assert engine.prefill_captures == captures
+    padded, mask = left_padded(prompt=40)
+    for _ in range(3):
+        fused_generate(model, padded, mask, **asked)
+    assert engine.prefill_captures == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_decode_step_profile_names_fuselm_ops():
     model, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -360,13 +432,14 @@ def test_decode_step_profile_names_fuselm_ops():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_no_memory_growth_over_many_steps():
-    """1000 decode steps over varying batch sizes and prompt lengths: memory after the first round of buckets
+    """1000 decode steps over varying batch sizes and prompt lengths: memory after the first two rounds of buckets
     stays flat."""
     model = decode_model("llama", torch.bfloat16)
     fuselm.patch(model)
     shapes = [(1, 5), (3, 9), (2, 17), (1, 30)]
-    for batch, prompt in shapes:  # every bucket and cache made once
-        fused_generate(model, token_ids(batch, prompt), None, max_new_tokens=40, do_sample=False)
+    for _ in range(2):  # every bucket, cache, decode step and (at a prompt length's second call) prefill captured
+        for batch, prompt in shapes:
+            fused_generate(model, token_ids(batch, prompt), None, max_new_tokens=40, do_sample=False)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for round_ in range(6):
