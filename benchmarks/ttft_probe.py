@@ -254,7 +254,8 @@ def main() -> None:
                 figures, table = profiled(call)
                 replayed = args.prompt in engine_of(model)._buckets[1].prefills.graphs and mode == "graph"
                 row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": 1,
-                       "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms, "wall_ms": statistics.median(walls), "phases": cut, **figures}
+                       "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms,
+                       "wall_ms": statistics.median(walls), "phases": cut, **figures}
                 rows.append(row)
                 print(f"{impl:>20} {path:<16} {mode:<5} event {event_ms:7.2f} ms  wall {row['wall_ms']:7.2f}  "
                       f"kernels {figures['kernel_ms']:7.2f} ({figures['kernels']})  idle {figures['idle_ms']:6.2f}  "

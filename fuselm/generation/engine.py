@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+import sys
 import warnings
 import weakref
 
@@ -38,14 +39,12 @@ from fuselm.generation.cache import FusedKVCache
 from fuselm.generation.choice import ChoiceState
 from fuselm.generation.options import DecodeOptions
 from fuselm.generation.rotary import RotaryTables
+from fuselm.patching.decode import CAUSAL_PREFILL, UNMASKED
 from fuselm.patching.modules import hooked
 
 CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
 EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
 WARMUP_STEPS = 2  # eager steps before a capture: every autotune has finished by then
-# the attention implementation the config names during a decode step: one HF has no mask function for, so the model's
-# forward builds no attention mask (the fused step never reads one; HF's mask for a cache is ~7 small kernels a step)
-UNMASKED = "fuselm_fused_decode"
 PREFILL_GRAPH_TOKENS = 8192  # prefills of at most this many tokens (rows x prompt) are captured when a length repeats
 PREFILL_GRAPHS = 4  # captured prefill lengths kept per bucket; the least recently used is freed first
 
@@ -81,6 +80,23 @@ def _fingerprint(model: nn.Module) -> tuple:
     parameters = [p for p in parameters if p is not None]
     return (get_backend(), model.training, tuple(classes), tuple(watched), tuple(map(Tensor.data_ptr, parameters)),
             tuple(map(_PARAMETER_FIELDS, parameters)))
+
+
+def unmasked_prefill_limit(model: nn.Module) -> int:
+    """Unpadded prompts shorter than this need no attention mask in their prefill: every layer attends causally
+    over the whole prompt (no sliding window as short, no soft-capping, which the fused prefill attention leaves to
+    HF), so SDPA's ``is_causal`` is HF's mask. 0 when some layer needs HF's mask. Call after ``model_reason``."""
+    from fuselm.patching.decode import layer_facts
+    from fuselm.patching.modules import FusedDecoderLayer
+
+    limit = sys.maxsize
+    for layer in (m for m in model.modules() if isinstance(m, FusedDecoderLayer)):
+        facts = layer_facts(layer)
+        if facts.softcap is not None or not facts.causal:
+            return 0
+        if facts.sliding_window is not None:
+            limit = min(limit, facts.sliding_window)
+    return limit
 
 
 def model_reason(model: nn.Module) -> str | None:
@@ -188,6 +204,7 @@ class DecodeEngine:
         self.prefill_captures = 0  # prefills captured so far
         self._fingerprint: tuple | None = None  # the model's at the last model_reason() call,
         self._reason: str | None = None  # and model_reason's answer for it
+        self._unmasked_below = 0  # and unmasked_prefill_limit's, when model_reason found nothing
 
     @property
     def model(self) -> nn.Module:
@@ -203,6 +220,7 @@ class DecodeEngine:
         fingerprint = _fingerprint(self.model)
         if fingerprint != self._fingerprint:
             self._reason, self._fingerprint = model_reason(self.model), fingerprint
+            self._unmasked_below = unmasked_prefill_limit(self.model) if self._reason is None else 0
         return self._reason
 
     def run(self, input_ids: Tensor, attention_mask: Tensor | None, options: DecodeOptions, streamer=None):
@@ -260,12 +278,26 @@ class DecodeEngine:
             bucket.fingerprint = fingerprint
         return bucket
 
-    def _forward(self, ids: Tensor, positions: Tensor, cache: FusedKVCache, mask: Tensor | None) -> Tensor:
+    def _forward(self, ids: Tensor, positions: Tensor, cache: FusedKVCache, mask: Tensor | None,
+                 implementation: str | None = None) -> Tensor:
         """The model over ``ids`` [B, T] at ``positions`` [B, T], writing ``cache``; the last logits [B, V], in the
-        model's dtype (the choice casts them to fp32 where HF's processors would)."""
-        with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1, **{self._cache_keyword: cache})
+        model's dtype (the choice casts them to fp32 where HF's processors would).
+
+        ``implementation``: the attention the config names during the forward, one HF builds no mask for
+        (``UNMASKED`` for a decode step, whose fused layers read none; ``CAUSAL_PREFILL`` for a prefill that
+        attends with SDPA's ``is_causal``: ``fuselm/patching/decode.py``); None keeps the config's. HF skips a
+        plain causal mask only when it may read the mask and offsets on the host, so it makes a full [T, T] mask
+        inside a CUDA-graph capture (the prefill then took 4x longer at 8192 tokens), and with ``eager`` attention
+        it makes a decode step's mask with host-to-device copies, which a graph cannot capture."""
+        config = self.model.config
+        named = config._attn_implementation
+        config._attn_implementation = implementation or named
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 logits_to_keep=1, **{self._cache_keyword: cache})
+        finally:
+            config._attn_implementation = named
         return out.logits[:, -1, :]
 
     def _prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
@@ -273,19 +305,21 @@ class DecodeEngine:
         the bucket prefilled before (:class:`PrefillGraphs`), else eagerly. Captured: CUDA, one device, no mask
         (HF's mask for padded rows reads its values on the host) and at most ``PREFILL_GRAPH_TOKENS`` tokens (the
         graph's activations stay in the graphs' memory pool)."""
-        cache = bucket.cache
+        cache, length = bucket.cache, ids.shape[1]
+        implementation = (CAUSAL_PREFILL if mask is None and length < self._unmasked_below
+                          and self.model.config._attn_implementation == "sdpa" else None)
         if (mask is not None or cache.device.type != "cuda" or cache.spans_devices
                 or ids.numel() > PREFILL_GRAPH_TOKENS):
-            return self._forward(ids, positions, cache, mask)
-        length = ids.shape[1]
+            return self._forward(ids, positions, cache, mask, implementation)
         graph, capture = bucket.prefills.lookup(length)
         if capture:
-            graph = self._capture_prefill(bucket, ids, positions)
+            graph = self._capture_prefill(bucket, ids, positions, implementation)
         if graph is None:
-            return self._forward(ids, positions, cache, None)
+            return self._forward(ids, positions, cache, None, implementation)
         return graph.replay(ids, positions, cache)
 
-    def _capture_prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor) -> _PrefillGraph | None:
+    def _capture_prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor, implementation: str | None
+                         ) -> _PrefillGraph | None:
         """Capture the prefill of ``ids`` [B, T] into the planned cache (not run: the caller replays it), or None
         with a warning when it cannot be captured. The bucket's eager prefill of this length ran before, so every
         kernel is tuned and every lazy setup done."""
@@ -295,7 +329,7 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool()):
-                logits = self._forward(static_ids, static_positions, cache, None)
+                logits = self._forward(static_ids, static_positions, cache, None, implementation)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager prefill, which is correct
             torch.cuda.synchronize(cache.device)
             cache.restore_host_fill(fill)
@@ -319,17 +353,10 @@ class DecodeEngine:
         """One decode step on the bucket's buffers: the model over each row's last token, then the choice.
 
         Every layer takes the fused step (``model_reason`` checked it), which never reads HF's attention mask, so
-        the config names an attention HF builds no mask for (``UNMASKED``; with ``eager`` attention HF would make
-        the mask with host-to-device copies, which a CUDA graph cannot capture), and the rotary embedding is
-        gathered from the bucket's tables."""
-        state, config = bucket.state, self.model.config
-        implementation = config._attn_implementation
-        config._attn_implementation = UNMASKED
-        try:
-            with bucket.rotary.gathering():
-                logits = self._forward(state.tokens, state.positions, bucket.cache, None)
-        finally:
-            config._attn_implementation = implementation
+        HF builds none (``UNMASKED``), and the rotary embedding is gathered from the bucket's tables."""
+        state = bucket.state
+        with bucket.rotary.gathering():
+            logits = self._forward(state.tokens, state.positions, bucket.cache, None, UNMASKED)
         state.choose(logits, options)
         state.advance_positions()
 

@@ -30,6 +30,7 @@ copy into the cache.
 from __future__ import annotations
 
 from torch import Tensor, nn
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fuselm.ops.attention import decode_attention
@@ -40,6 +41,14 @@ from fuselm.patching.families import AttentionFacts, attention_facts, family_of
 from fuselm.patching.modules import FusedGatedMLP, FusedRMSNorm, add_then_norm, hooked
 
 DECODE_MAX_TOKENS = 16  # new tokens per row up to which a step takes the fused decode path
+# Attention implementations a config names while fuselm's engine runs a forward that needs no mask from HF. HF has
+# no mask function for either, so its model builds none (fuselm/generation/engine.py):
+# - a decode step, whose fused layers read none (no attention function either: an unfused layer fails loudly);
+UNMASKED = "fuselm_unmasked"
+# - an unpadded prefill with no sliding window as short as the prompt and no soft-capping, which attends causally
+#   over the whole prompt: SDPA's is_causal, in the fused prefill attention and in HF's sdpa function alike.
+CAUSAL_PREFILL = "fuselm_causal_prefill"
+AttentionInterface.register(CAUSAL_PREFILL, sdpa_attention_forward)
 ATTENTION_FACTS = "_fuselm_attention_facts"  # in a decoder layer's __dict__, computed on its first fused step
 _GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 

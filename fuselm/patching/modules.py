@@ -226,10 +226,11 @@ class FusedDecoderLayer:
         for, a [B, T, hidden] input with its rotary embedding, and no hook on the attention module (which HF's path
         then calls, hooks and all). "decode": at most DECODE_MAX_TOKENS new tokens and a head_dim that
         decode_attention supports; "prefill": more tokens into an empty cache, in a model whose attention is HF's
-        ``sdpa`` and does not soft-cap (its SDPA function then attends over the cache)."""
+        ``sdpa`` (or fuselm's engine's ``CAUSAL_PREFILL``: sdpa with no mask) and does not soft-cap (its SDPA
+        function then attends over the cache)."""
         from fuselm.generation.cache import FusedKVCache
         from fuselm.ops.attention import HEAD_DIMS
-        from fuselm.patching.decode import DECODE_MAX_TOKENS, layer_facts
+        from fuselm.patching.decode import CAUSAL_PREFILL, DECODE_MAX_TOKENS, layer_facts
 
         cache = _cache_of(kwargs)
         if (not isinstance(cache, FusedKVCache) or self.training or hidden_states.dim() != 3
@@ -242,7 +243,8 @@ class FusedDecoderLayer:
         if hidden_states.shape[1] <= DECODE_MAX_TOKENS:
             return ("decode", facts) if facts.head_dim in HEAD_DIMS else (None, None)
         implementation = getattr(getattr(self.self_attn, "config", None), "_attn_implementation", None)
-        if implementation == "sdpa" and facts.softcap is None and cache.starts_empty(self.self_attn.layer_idx):
+        if (implementation in ("sdpa", CAUSAL_PREFILL) and facts.softcap is None
+                and cache.starts_empty(self.self_attn.layer_idx)):
             return "prefill", facts
         return None, None
 

@@ -293,6 +293,29 @@ def test_unpadded_prefill_never_syncs(name, prompt):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize(("name", "prompt", "masked"), [("llama", 24, False), ("mistral", 5, False),
+                                                      ("mistral", 24, True), ("gemma2", 24, True)])
+def test_unpadded_prefill_builds_a_mask_only_where_one_is_needed(name, prompt, masked):
+    """HF builds no mask for an unpadded prefill whose layers all attend causally over the whole prompt (SDPA's
+    is_causal is that mask): it does for a prompt as long as a sliding window, and with soft-capping; the tokens are
+    HF's either way, and the config's attention implementation is restored after."""
+    from transformers import masking_utils
+
+    model = decode_model(name)
+    ids = token_ids(2, prompt)
+    expected = hf_generate(model, ids, None, max_new_tokens=3, do_sample=False)
+    fuselm.patch(model)
+    implementation = model.config._attn_implementation
+    mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    counted = {key: mock.Mock(wraps=function) for key, function in mask_functions.items()}
+    with mock.patch.dict(mask_functions, counted):
+        out = fused_generate(model, ids, None, max_new_tokens=1, do_sample=False)
+    assert any(function.call_count for function in counted.values()) == masked
+    assert torch.equal(out, expected[:, :prompt + 1])
+    assert torch.equal(fused_generate(model, ids, None, max_new_tokens=3, do_sample=False), expected)
+    assert model.config._attn_implementation == implementation
+
+
 def test_prefill_graphs_capture_a_repeated_length_and_keep_the_recent_ones():
     """The capture policy: a length is captured at its second call, replayed after; at most PREFILL_GRAPHS are kept
     (least recently used freed first); a failed capture stops further tries until clear()."""
