@@ -46,18 +46,22 @@ class ChoiceState:
         # temperature, top_p, repetition penalty; min_new_tokens and the pad id
         self.values = torch.ones(3, **fp32)
         self.limits = torch.zeros(2, **long)
+        self._loaded: tuple | None = None  # the option values in values, limits and eos (skip copying them again)
 
     def start(self, options: DecodeOptions, prompt: Tensor, real_rows: int) -> None:
         """Load a call: ``prompt`` [B, S] (the bucket's rows, fillers after the ``real_rows``). Device work only."""
-        self.values.copy_(torch.tensor([options.temperature, options.top_p, options.repetition_penalty]),
-                          non_blocking=True)
-        self.limits.copy_(torch.tensor([options.min_new_tokens, options.pad or 0]), non_blocking=True)
+        values, limits = (options.temperature, options.top_p, options.repetition_penalty), (options.min_new_tokens,
+                                                                                             options.pad or 0)
         self.eos = self.eos_buffer(len(options.eos))
-        self.eos.copy_(torch.tensor(options.eos, dtype=torch.long), non_blocking=True)
+        if self._loaded != (values, limits, options.eos):  # host-to-device copies: the first token waits for them
+            self.values.copy_(torch.tensor(values), non_blocking=True)
+            self.limits.copy_(torch.tensor(limits), non_blocking=True)
+            self.eos.copy_(torch.tensor(options.eos, dtype=torch.long), non_blocking=True)
+            self._loaded = (values, limits, options.eos)
         self.count.zero_()
         self.finish.fill_(-1)
         self.done.zero_()
-        self.done[real_rows:] = True  # filler rows only pad the batch to its bucket
+        self.done[real_rows:].fill_(True)  # filler rows only pad the batch to its bucket
         if options.repetition_penalty != 1.0:
             self.seen.zero_()
             self.seen.scatter_(1, prompt, True)

@@ -141,6 +141,7 @@ class _Bucket:
         self.cache = FusedKVCache(model, batch, max_cache_len)
         self.state = ChoiceState(batch, vocab, max_cache_len, model.device)
         self.rotary = RotaryTables(model, max_cache_len)
+        self.positions = torch.arange(max_cache_len, device=self.cache.device)  # an unpadded row's position ids
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.prefills = PrefillGraphs()
         self.fingerprint: tuple | None = None
@@ -238,8 +239,11 @@ class DecodeEngine:
         ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])
         state.start(options, ids, batch)
         cache.plan(mask)
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = self._prefill(bucket, ids, positions, mask if attention_mask is not None else None)
+        if mask is None:
+            positions = bucket.positions[:prompt_len].expand(ids.shape[0], -1)
+        else:
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        logits = self._prefill(bucket, ids, positions, mask)
         state.positions.copy_(positions[:, -1:] + 1)
         state.choose(logits, options)
         scores, raw = [], []
@@ -428,14 +432,14 @@ class DecodeEngine:
                                          logits=tuple(raw) if options.output_logits else None)
 
 
-def _padded(input_ids: Tensor, attention_mask: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
-    """``input_ids`` and its mask (ones when None) on the model's device, with filler rows (copies of row 0)
+def _padded(input_ids: Tensor, attention_mask: Tensor | None, rows: int) -> tuple[Tensor, Tensor | None]:
+    """``input_ids`` and its mask (None: no padding) on the model's device, with filler rows (copies of row 0)
     up to ``rows``."""
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    mask = None if attention_mask is None else attention_mask.to(input_ids.device)
     fill = rows - input_ids.shape[0]
     if fill:
         input_ids = torch.cat((input_ids, input_ids[:1].expand(fill, -1)))
-        mask = torch.cat((mask, mask[:1].expand(fill, -1)))
+        mask = None if mask is None else torch.cat((mask, mask[:1].expand(fill, -1)))
     return input_ids, mask
 
 

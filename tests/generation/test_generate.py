@@ -28,7 +28,7 @@ from fuselm.generation.options import read_options
 from fuselm.patching.modules import FusedDecoderLayer
 from tests.conftest import HAS_CUDA
 from tests.helpers import HostSyncs, rel_err
-from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
+from tests.models import FUSED_LAYERS, VOCAB, decode_model, tiny_model, token_ids
 from tests.patching.test_decode import CACHE_ARG
 
 PADS = (3, 0, 1)  # rows of 5, 8 and 7 real tokens
@@ -485,6 +485,32 @@ def test_each_eos_count_keeps_its_buffer():
     fused_generate(model, ids, mask, max_new_tokens=2, do_sample=False, eos_token_id=[7])
     assert state.eos_buffer(1) is one and state.eos_buffer(2) is two
     assert one.tolist() == [7] and two.tolist() == [5, 6]
+
+
+def test_a_call_loads_only_option_values_that_changed():
+    """ChoiceState.start copies the option values to the device only when they differ from the loaded ones, and
+    always leaves the call's values there (another call's in between included)."""
+    import dataclasses
+
+    from fuselm.generation.choice import ChoiceState
+    from fuselm.generation.options import DecodeOptions
+
+    base = DecodeOptions(max_new_tokens=4, min_new_tokens=2, do_sample=True, temperature=0.7, top_k=0, top_p=0.9,
+                         repetition_penalty=1.3, eos=(5,), pad=0, output_scores=False, output_logits=False,
+                         return_dict=False)
+    other = dataclasses.replace(base, temperature=1.5, min_new_tokens=0, eos=(6,), pad=6)
+    state, prompt = ChoiceState(2, VOCAB, 8, torch.device("cpu")), token_ids(2, 3)
+
+    for options in (base, other, base):
+        with mock.patch.object(torch, "tensor", wraps=torch.tensor) as made:
+            state.start(options, prompt, 2)
+        assert made.call_count == 3
+        assert state.values.tolist() == pytest.approx([options.temperature, options.top_p,
+                                                       options.repetition_penalty])
+        assert state.limits.tolist() == [options.min_new_tokens, options.pad] and state.eos.tolist() == [*options.eos]
+        with mock.patch.object(torch, "tensor", wraps=torch.tensor) as made:
+            state.start(options, prompt, 2)
+        assert made.call_count == 0
 
 
 def test_a_model_the_caller_patched_stays_patched():
