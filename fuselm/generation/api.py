@@ -105,9 +105,10 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None 
     cache belongs to fuselm's engine and is reused by the next call).
 
     On CUDA each decode step is one CUDA-graph replay (captured on the first call per batch bucket, reused
-    after). Sampling is seeded by ``torch.manual_seed`` (the same seed gives the same tokens), but draws differ
-    from HF's. A call the loop cannot run exactly (beam search, other logits processors or stopping criteria,
-    assisted decoding, a model fuselm does not fuse) goes to ``model.generate``, with one warning saying why.
+    after), and so is the prefill of an unpadded prompt length the bucket prefilled before (up to 4096 tokens).
+    Sampling is seeded by ``torch.manual_seed`` (the same seed gives the same tokens), but draws differ from HF's.
+    A call the loop cannot run exactly (beam search, other logits processors or stopping criteria, assisted
+    decoding, a model fuselm does not fuse) goes to ``model.generate``, with one warning saying why.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -45,7 +45,9 @@ from fuselm.patching.modules import hooked
 CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
 EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
 WARMUP_STEPS = 2  # eager steps before a capture: every autotune has finished by then
-PREFILL_GRAPH_TOKENS = 8192  # prefills of at most this many tokens (rows x prompt) are captured when a length repeats
+# prefills of at most this many tokens (rows x prompt) are captured when a length repeats: a graph's activations stay
+# in the pool (~115 KB a token for Llama-3-8B), and a longer prefill keeps the GPU busier than the host anyway
+PREFILL_GRAPH_TOKENS = 4096
 PREFILL_GRAPHS = 4  # captured prefill lengths kept per bucket; the least recently used is freed first
 
 
