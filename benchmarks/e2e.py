@@ -7,7 +7,9 @@ impls: ``fuselm.generate``; ``fuselm+hf_generate`` (a patched model's own ``gene
 Rows (``benchmarks/results/e2e-h200.json``):
 - ``generate``: tok/s = batch x new / the median time of whole ``generate`` calls (prompt, prefill included),
   with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``;
-- ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1;
+- ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1, the same prompt length
+  each call (fuselm's engine replays a captured prefill from a length's third call, up to 4096 tokens);
+- ``prefill_eager`` (fuselm's impls): the same with prefill graphs off, as the first call of a prompt length runs;
 - ``first_call_s``: the first call of a batch bucket (fuselm: warm-up, autotune, capture; compile_static: its
   compilation), s; with an empty Triton cache (``--no-cold-triton-cache`` keeps the one found) and inductor's caches
   off (gpu_run.sh), so the fuselm rows include compiling the kernels' configs;
@@ -30,6 +32,7 @@ other rows in one process, the checkpointed LoRA step came out at 7116-9600 tok/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -51,6 +54,7 @@ from training import SETUP, adamw_step, issue_ms, lora_model, peak_gib
 from training import build as build_base
 
 import fuselm
+from fuselm.generation import engine as engine_module
 from fuselm.generation.api import engine_of
 from fuselm.generation.options import read_options
 from fuselm.ops import _common
@@ -157,6 +161,22 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
         ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
         rows.append({"what": "prefill", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms})
         print(f"{impl:>20} prefill B1x{prefill}: {ms:.1f} ms", flush=True)
+        if impl.startswith("fuselm"):
+            with eager_prefills():
+                ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
+            rows.append({"what": "prefill_eager", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms})
+            print(f"{impl:>20} prefill B1x{prefill}, eager: {ms:.1f} ms", flush=True)
+
+
+@contextlib.contextmanager
+def eager_prefills():
+    """fuselm's engine captures no prefill: every call prefills eagerly, as a prompt length's first call does."""
+    tokens = engine_module.PREFILL_GRAPH_TOKENS
+    engine_module.PREFILL_GRAPH_TOKENS = 0
+    try:
+        yield
+    finally:
+        engine_module.PREFILL_GRAPH_TOKENS = tokens
 
 
 TRAIN_IMPLS = {"lora_step": ("unpatched", "fuselm", "liger"), "qlora_step": ("unpatched", "fuselm")}

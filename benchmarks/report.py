@@ -129,6 +129,9 @@ def generate_section(results: dict) -> list[str]:
     for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill"}):
         lines.append(f"| time to first token B1×{prompt}, ms | "
                      + " | ".join(cell("prefill", i, 1, prompt) for i in impls) + " |")
+    for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill_eager"}):
+        lines.append(f"| time to first token B1×{prompt}, a new prompt length (eager prefill), ms | "
+                     + " | ".join(cell("prefill_eager", i, 1, prompt) for i in impls) + " |")
     for batch in batches:
         lines.append(f"| first call B{batch}, s | " + " | ".join(cell("first_call_s", i, batch) for i in impls) + " |")
     for batch in sorted({r["batch"] for r in rows if r["what"] == "launches_per_layer"}):
@@ -137,6 +140,8 @@ def generate_section(results: dict) -> list[str]:
     formula = next((r["formula"] for r in rows if r["what"] == "generate"), "")
     return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
                     "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
+                    "Time to first token: one prompt length called again and again (fuselm replays its captured "
+                    "prefill from the third call, up to 4096 tokens); a new length's first call prefills eagerly. "
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step. "
                     f"First calls: Triton cache {results.get('triton_cache', 'as found')}; fuselm's tuning table "
                     f"{results.get('tuning_table', 'none (before tables)')}."]

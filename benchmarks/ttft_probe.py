@@ -49,7 +49,6 @@ import triton
 from timing import median_ms, synchronize
 
 import fuselm
-from fuselm.generation import engine as engine_module
 from fuselm.generation.api import engine_of
 from fuselm.generation.engine import DecodeEngine
 from fuselm.patching.modules import FusedDecoderLayer
@@ -74,17 +73,6 @@ def fused_prefill_off():
         yield
     finally:
         FusedDecoderLayer._fused_phase = fused_phase
-
-
-@contextlib.contextmanager
-def prefill_graphs_off():
-    """Every prefill runs eagerly, as a prompt length's first call does."""
-    tokens = engine_module.PREFILL_GRAPH_TOKENS
-    engine_module.PREFILL_GRAPH_TOKENS = 0
-    try:
-        yield
-    finally:
-        engine_module.PREFILL_GRAPH_TOKENS = tokens
 
 
 @contextlib.contextmanager
@@ -234,7 +222,7 @@ def main() -> None:
         if path == "HF attention":
             switches.enter_context(fused_prefill_off())
         if mode == "eager":
-            switches.enter_context(prefill_graphs_off())
+            switches.enter_context(e2e.eager_prefills())
         with switches:
             for impl in IMPLS:
                 def call(impl=impl):

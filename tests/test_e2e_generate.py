@@ -1,0 +1,40 @@
+"""benchmarks/e2e.py's generation rows in smoke mode (a tiny fp32 model, CPU): a fuselm impl's prefill rows come
+twice, replayed-length and eager, and the eager ones run with prefill graphs off."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from fuselm.generation import engine as engine_module
+from tests.helpers import benchmark_script
+
+
+@pytest.fixture
+def e2e(monkeypatch):
+    return benchmark_script("e2e", monkeypatch)
+
+
+ARGS = SimpleNamespace(batches=[2], prompt=12, new=3, repeats=1, prefills=[20], profile_first_call=False)
+
+
+@pytest.mark.parametrize("impl", ["fuselm.generate", "eager"])
+def test_generate_and_prefill_rows(e2e, impl):
+    model = e2e.build(1, smoke=True)
+    if impl == "fuselm.generate":
+        import fuselm
+
+        fuselm.patch(model)
+    rows: list[dict] = []
+    e2e.measure(model, impl, ARGS, rows, copy=1000.0)
+    kinds = [(row["what"], row["batch"], row["prompt"]) for row in rows]
+    prefills = [("prefill", 1, 20)] + ([("prefill_eager", 1, 20)] if impl == "fuselm.generate" else [])
+    assert kinds == [("first_call_s", 2, 12), ("generate", 2, 12), *prefills]
+    assert all(row["impl"] == impl for row in rows)
+    assert rows[1]["tok_per_s"] > 0 and all(row["ms"] > 0 for row in rows[2:])
+
+
+def test_eager_prefills_switch_the_graphs_off_and_back(e2e):
+    tokens = engine_module.PREFILL_GRAPH_TOKENS
+    with e2e.eager_prefills():
+        assert engine_module.PREFILL_GRAPH_TOKENS == 0
+    assert engine_module.PREFILL_GRAPH_TOKENS == tokens > 0
