@@ -240,7 +240,8 @@ def main() -> None:
                     walls.append((time.perf_counter() - began) * 1e3)
                 cut = phases(call, args.repeats)
                 figures, table = profiled(call)
-                replayed = args.prompt in engine_of(model)._buckets[1].prefills.graphs and mode == "graph"
+                replayed = mode == "graph" and any(length == args.prompt for length, _ in
+                                                   engine_of(model)._buckets[1].prefills.graphs)
                 row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": 1,
                        "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms,
                        "wall_ms": statistics.median(walls), "phases": cut, **figures}

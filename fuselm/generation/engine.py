@@ -29,6 +29,7 @@ import operator
 import sys
 import warnings
 import weakref
+from collections.abc import Hashable
 
 import torch
 from torch import Tensor, nn
@@ -165,29 +166,30 @@ class _PrefillGraph:
 
 
 class PrefillGraphs:
-    """A bucket's captured prefills by prompt length: a length is captured the second time it comes (the first
-    call runs eagerly and finishes its autotuning), at most ``PREFILL_GRAPHS`` are kept (least recently used
-    freed first), and after a capture fails none is tried again until :meth:`clear`."""
+    """A bucket's captured prefills by key (the prompt length and the attention the config names): a key is
+    captured the second time it comes (the first call runs eagerly and finishes its autotuning), at most
+    ``PREFILL_GRAPHS`` are kept (least recently used freed first), and after a capture fails none is tried again
+    until :meth:`clear`."""
 
     def __init__(self):
-        self.graphs: dict[int, _PrefillGraph] = {}  # in order of use, the most recent last
-        self.seen: set[int] = set()
+        self.graphs: dict[Hashable, _PrefillGraph] = {}  # in order of use, the most recent last
+        self.seen: set[Hashable] = set()
         self.failed = False
 
-    def lookup(self, length: int) -> tuple[_PrefillGraph | None, bool]:
-        """(the graph for ``length`` or None, whether to capture it now); counts this call as a sighting."""
-        graph = self.graphs.pop(length, None)
+    def lookup(self, key: Hashable) -> tuple[_PrefillGraph | None, bool]:
+        """(the graph for ``key`` or None, whether to capture it now); counts this call as a sighting."""
+        graph = self.graphs.pop(key, None)
         if graph is not None:
-            self.graphs[length] = graph
+            self.graphs[key] = graph
             return graph, False
-        capture = length in self.seen and not self.failed
-        self.seen.add(length)
+        capture = key in self.seen and not self.failed
+        self.seen.add(key)
         return None, capture
 
-    def keep(self, length: int, graph: _PrefillGraph) -> None:
+    def keep(self, key: Hashable, graph: _PrefillGraph) -> None:
         while len(self.graphs) >= PREFILL_GRAPHS:
             del self.graphs[next(iter(self.graphs))]
-        self.graphs[length] = graph
+        self.graphs[key] = graph
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -311,21 +313,22 @@ class DecodeEngine:
         the bucket prefilled before (:class:`PrefillGraphs`), else eagerly. Captured: CUDA, one device, no mask
         (HF's mask for padded rows reads its values on the host) and at most ``PREFILL_GRAPH_TOKENS`` tokens (the
         graph's activations stay in the graphs' memory pool)."""
-        cache, length = bucket.cache, ids.shape[1]
-        implementation = (CAUSAL_PREFILL if mask is None and length < self._unmasked_below
-                          and self.model.config._attn_implementation == "sdpa" else None)
+        cache, length, named = bucket.cache, ids.shape[1], self.model.config._attn_implementation
+        implementation = (CAUSAL_PREFILL if mask is None and length < self._unmasked_below and named == "sdpa"
+                          else None)
         if (mask is not None or cache.device.type != "cuda" or cache.spans_devices
                 or ids.numel() > PREFILL_GRAPH_TOKENS):
             return self._forward(ids, positions, cache, mask, implementation)
-        graph, capture = bucket.prefills.lookup(length)
+        key = (length, named)
+        graph, capture = bucket.prefills.lookup(key)
         if capture:
-            graph = self._capture_prefill(bucket, ids, positions, implementation)
+            graph = self._capture_prefill(bucket, key, ids, positions, implementation)
         if graph is None:
             return self._forward(ids, positions, cache, None, implementation)
         return graph.replay(ids, positions, cache)
 
-    def _capture_prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor, implementation: str | None
-                         ) -> _PrefillGraph | None:
+    def _capture_prefill(self, bucket: _Bucket, key: Hashable, ids: Tensor, positions: Tensor,
+                         implementation: str | None) -> _PrefillGraph | None:
         """Capture the prefill of ``ids`` [B, T] into the planned cache (not run: the caller replays it), or None
         with a warning when it cannot be captured. The bucket's eager prefill of this length ran before, so every
         kernel is tuned and every lazy setup done."""
@@ -345,7 +348,7 @@ class DecodeEngine:
             return None
         captured = _PrefillGraph(graph, static_ids, static_positions, logits, cache.host_fill())
         cache.restore_host_fill(fill)
-        bucket.prefills.keep(ids.shape[1], captured)
+        bucket.prefills.keep(key, captured)
         self.prefill_captures += 1
         return captured
 
