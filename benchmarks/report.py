@@ -140,8 +140,9 @@ def generate_section(results: dict) -> list[str]:
     formula = next((r["formula"] for r in rows if r["what"] == "generate"), "")
     return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
                     "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
-                    "Time to first token: one prompt length called again and again (fuselm replays its captured "
-                    "prefill from the third call, up to 4096 tokens); a new length's first call prefills eagerly. "
+                    + ("Time to first token: one prompt length called again and again (fuselm replays its captured "
+                       "prefill from the third call, up to 4096 tokens); a new length's first call prefills eagerly. "
+                       if any(r["what"] == "prefill_eager" for r in rows) else "") +
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step. "
                     f"First calls: Triton cache {results.get('triton_cache', 'as found')}; fuselm's tuning table "
                     f"{results.get('tuning_table', 'none (before tables)')}."]

@@ -150,3 +150,14 @@ def test_decode_section_renders_the_back_to_back_projection_figures_where_measur
     lines = report.decode_section(results)
     assert "| o | 1 | fused | 13.20 | 2540 | 60.2 | 10.50 | 74.3 | 33554432 |" in lines
     assert "| o | 8 | fused | 13.20 | 2540 | 60.2 | — | — | 33554432 |" in lines
+
+
+def test_generation_table_shows_the_eager_prefill_where_measured(report):
+    generated = [_generate_row("fuselm.generate", 1, 230.0, copy_fraction=0.7, formula="f"),
+                 {"what": "prefill", "impl": "fuselm.generate", "batch": 1, "prompt": 2048, "new": 1, "ms": 45.0}]
+    results = {**TRAIN, "triton": "3", "model": "m", "copy_gbps": 4000.0, "rows": generated}
+    assert not any("new prompt length" in line or "replays" in line for line in report.generate_section(results))
+    eager = {"what": "prefill_eager", "impl": "fuselm.generate", "batch": 1, "prompt": 2048, "new": 1, "ms": 52.0}
+    lines = report.generate_section({**results, "rows": [*generated, eager]})
+    assert "| time to first token B1×2048, a new prompt length (eager prefill), ms | 52.0 |" in lines
+    assert "| time to first token B1×2048, ms | 45.0 |" in lines and "replays its captured prefill" in lines[-1]
