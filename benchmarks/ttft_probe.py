@@ -12,10 +12,10 @@ HF's attention with the fused one switched off, eagerly), one B1 prompt of ``--p
   host's planning), ``forward`` (the forward's kernels and any gaps between them) and ``tail`` (the forward's end to
   the call's return: the first token's choice and the output);
 - from one more call under torch.profiler: ``kernel_ms`` (the GPU's kernel time, overlaps merged), ``idle_ms``
-  (the profiled span less that), ``lead_ms`` (from the call's start to its first kernel), and the CUDA runtime calls
-  that wait for the GPU (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
-  ``cudaMemcpy*``) with their count and host time, and the kernels' time by name; the profiler's top ops by self
-  CPU time go to the log.
+  (the profiled span, from the call's start to the later of its return and its last kernel's end, less that),
+  ``lead_ms`` (from the call's start to its first kernel), and the CUDA runtime calls that wait for the GPU
+  (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, ``cudaMemcpy*``) with their
+  count and host time, and the kernels' time by name; the profiler's top ops by self CPU time go to the log.
 
     python benchmarks/ttft_probe.py --out benchmarks/results/ttft-probe-h200.json
     python benchmarks/ttft_probe.py --smoke        (a tiny model on the CPU: checks the script)
@@ -166,6 +166,12 @@ def timing_parts(parts: list[tuple[str, object, str]], totals: dict):
                 setattr(owner, name, original)
 
 
+def profiled_span_us(start_us: float, return_us: float, kernels: list[Launch]) -> float:
+    """A profiled call's span: from its start until both the host has returned and the GPU's last kernel has ended
+    (a replayed graph's kernels run on after the host returned)."""
+    return max([return_us, *(launch.end_us for launch in kernels)]) - start_us
+
+
 def profiled(call) -> tuple[dict, str]:
     """One call under torch.profiler: the row's profile figures and the top-ops table."""
     synchronize()
@@ -179,7 +185,7 @@ def profiled(call) -> tuple[dict, str]:
     # the GPU's work: every CUDA-side event but the "call" range itself, which the profiler mirrors there too
     on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "call"]
     kernels = [Launch(e.name, "other", e.time_range.start, e.time_range.end) for e in on_gpu]
-    span_ms = (marker.time_range.end - marker.time_range.start) / 1e3
+    span_ms = profiled_span_us(marker.time_range.start, marker.time_range.end, kernels) / 1e3
     kernel_ms = busy_and_window_us(kernels)[0] / 1e3  # overlaps merged
     waits = {}
     for e in events:

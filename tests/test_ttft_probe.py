@@ -60,3 +60,13 @@ def test_the_switch_sends_prefills_to_hf_attention_and_back(monkeypatch):
     layers = model.config.num_hidden_layers
     assert counts(switched=True) == (0, layers)
     assert counts(switched=False) == (layers, layers)
+
+
+def test_the_span_runs_to_the_later_of_the_return_and_the_last_kernel(monkeypatch):
+    probe = benchmark_script("ttft_probe", monkeypatch)
+    from fuselm.profiling import Launch
+
+    kernels = [Launch("a", "other", 12.0, 20.0), Launch("b", "other", 21.0, 95.0)]
+    assert probe.profiled_span_us(10.0, 30.0, kernels) == 85.0  # a graph: the host returned at 30, the GPU ran on
+    assert probe.profiled_span_us(10.0, 130.0, kernels) == 120.0
+    assert probe.profiled_span_us(10.0, 30.0, []) == 20.0
