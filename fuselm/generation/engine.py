@@ -41,7 +41,7 @@ from fuselm.generation.choice import ChoiceState
 from fuselm.generation.options import DecodeOptions
 from fuselm.generation.rotary import RotaryTables
 from fuselm.patching.decode import CAUSAL_PREFILL, UNMASKED
-from fuselm.patching.modules import hooked
+from fuselm.patching.modules import hooked, hooked_state
 
 CACHE_GRANULE = 256  # cache lengths are multiples of this: calls of nearby lengths share a cache and its graphs
 EOS_CHECK_EVERY = 8  # decode steps between two reads of "every row done"
@@ -67,16 +67,15 @@ _PARAMETER_FIELDS = operator.attrgetter("dtype", "device", "shape")
 
 def _fingerprint(model: nn.Module) -> tuple:
     """What a captured step and :func:`model_reason` depend on beyond the buffers, in one walk over the modules:
-    fuselm's backend, the model's mode, every module's class and whether a hook watches it (as ``hooked`` reads
-    it), and every parameter's storage, dtype, device and shape. Host time before the prefill is the first token's:
+    fuselm's backend, the model's mode, every module's class and whether a hook watches it (``hooked_state``),
+    and every parameter's storage, dtype, device and shape. Host time before the prefill is the first token's:
     the walk reads each module's ``__dict__`` once and the parameters' fields with C-level maps."""
     classes, watched, parameters, stack = [], [], [], [model]
     while stack:  # depth first, as Module.modules() but without its generators (2.5x faster)
         module = stack.pop()
         state = module.__dict__
         classes.append(type(module))
-        if (state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
-                or state["_backward_pre_hooks"] or "forward" in state):
+        if hooked_state(state):
             watched.append(len(classes))
         parameters += state["_parameters"].values()
         stack += state["_modules"].values()

@@ -42,8 +42,13 @@ def _promoted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 def hooked(module: nn.Module) -> bool:
     """Whether a hook watches ``module`` or its forward is replaced on the instance: it must then run as called."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__)
+    return hooked_state(module.__dict__)
+
+
+def hooked_state(state: dict) -> bool:
+    """:func:`hooked` of the module whose ``__dict__`` is ``state`` (a walk over many modules reads it once)."""
+    return bool(state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
+                or state["_backward_pre_hooks"] or "forward" in state)
 
 
 # ----------------------------------------------------------------------------------- RMSNorm
