@@ -4,7 +4,8 @@ e2e.py times a prefill row as CUDA events around a whole ``generate`` call with 
 time while the host prepares (and any host sync) counts. Here, per call path (``fuselm.generate`` and the patched
 model's ``model.generate``) and per prefill path (the fused prefill attention replayed from its CUDA graph, as a
 prompt length's third and later calls run; the fused prefill attention run eagerly, as a length's first call runs;
-HF's attention with the fused one switched off, eagerly), one B1 prompt of ``--prompt`` tokens:
+HF's attention with the fused one switched off, eagerly), ``--batch`` unpadded prompts (1 by default) of
+``--prompt`` tokens:
 
 - ``event_ms``: e2e's figure (median of ``--repeats`` calls after two warm-up calls);
 - ``phases``: the same calls cut at the prefill (``DecodeEngine._prefill``, which both call paths run), by
@@ -209,6 +210,7 @@ def profiled(call) -> tuple[dict, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per call (e2e's decode rows prefill 32 x 512)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--grow-to", type=int, default=0, help="one call of a prompt this long first (cache length)")
@@ -219,9 +221,9 @@ def main() -> None:
     args = parser.parse_args()
     model = e2e.build(args.layers, smoke=args.smoke)
     fuselm.patch(model)
-    prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), device=model.device)
+    prompt = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device=model.device)
     if args.grow_to:
-        e2e.call(model, IMPLS[0], torch.randint(3, model.config.vocab_size, (1, args.grow_to), device=model.device), 1)
+        e2e.call(model, IMPLS[0], torch.randint(3, model.config.vocab_size, (args.batch, args.grow_to), device=model.device), 1)
     rows = []
     for path, mode in PATHS:
         switches = contextlib.ExitStack()
@@ -246,9 +248,9 @@ def main() -> None:
                     walls.append((time.perf_counter() - began) * 1e3)
                 cut = phases(call, args.repeats)
                 figures, table = profiled(call)
-                replayed = mode == "graph" and any(length == args.prompt for length, _ in
-                                                   engine_of(model)._buckets[1].prefills.graphs)
-                row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": 1,
+                replayed = mode == "graph" and any(length == args.prompt for bucket in engine_of(model)._buckets.values()
+                                                   for length, _ in bucket.prefills.graphs)
+                row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": args.batch,
                        "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms,
                        "wall_ms": statistics.median(walls), "phases": cut, **figures}
                 rows.append(row)

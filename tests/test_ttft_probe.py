@@ -39,6 +39,22 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
         assert parts["layer"]["ms"] >= parts["  mlp"]["ms"] > 0
 
 
+def test_a_batch_of_prompts_prefills_together(monkeypatch, tmp_path):
+    probe = benchmark_script("ttft_probe", monkeypatch)
+    out = tmp_path / "ttft.json"
+    monkeypatch.setattr("sys.argv", ["ttft_probe.py", "--smoke", "--layers", "2", "--prompt", "12", "--batch", "3",
+                                     "--repeats", "1", "--out", str(out)])
+    prompts = []
+    call = probe.e2e.call
+    monkeypatch.setattr(probe.e2e, "call", lambda model, impl, prompt, new: prompts.append(prompt.shape) or
+                        call(model, impl, prompt, new))
+    probe.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(probe.PATHS) * len(probe.IMPLS)
+    assert all(row["batch"] == 3 and row["prompt"] == 12 for row in rows)
+    assert set(prompts) == {torch.Size([3, 12])}
+
+
 def test_the_switch_sends_prefills_to_hf_attention_and_back(monkeypatch):
     """Under ``fused_prefill_off`` a prefill into an empty cache runs HF's attention; after it, the fused prefill
     attention again; a decode step takes the fused decode step either way."""
