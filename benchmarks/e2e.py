@@ -6,7 +6,9 @@ impls: ``fuselm.generate``; ``fuselm+hf_generate`` (a patched model's own ``gene
 
 Rows (``benchmarks/results/e2e-h200.json``):
 - ``generate``: tok/s = batch x new / the median time of whole ``generate`` calls (prompt, prefill included),
-  with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``;
+  with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``; and
+  ``first_token_ms`` (the same prompt's call with one new token: its prefill) and ``decode_tok_per_s``, the rate of
+  the decode steps alone: batch x (new - 1) / (call time - first_token_ms);
 - ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1, the same prompt length
   each call (fuselm's engine replays a captured prefill from a length's third call, up to 4096 tokens);
 - ``prefill_eager`` (fuselm's impls): the same with prefill graphs off, as the first call of a prompt length runs;
@@ -156,6 +158,14 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
                                 f"{args.prompt + args.new // 2}) x steps/s; steps/s = new / call time"})
         print(f"{impl:>20} B{batch:<3} generate {tok_s:8.1f} tok/s ({moved * steps_s / 1e9:6.0f} GB/s, "
               f"{moved * steps_s / 1e9 / copy:.0%} of copy)", flush=True)
+        if args.new > 1:  # the same prompt with one new token: the call's prefill, and the decode steps' share
+            first_ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
+            decode_tok_s = batch * (args.new - 1) / ((ms - first_ms) / 1e3)
+            rows[-1].update(first_token_ms=first_ms, decode_tok_per_s=decode_tok_s,
+                            decode_formula="decode_tok_per_s = batch x (new - 1) / (call time - first_token_ms); "
+                                           "first_token_ms = the same prompt's call with one new token")
+            print(f"{impl:>20} B{batch:<3} first token {first_ms:8.1f} ms, decode steps alone {decode_tok_s:8.1f} "
+                  f"tok/s", flush=True)
     for prefill in args.prefills:
         prompt = torch.randint(3, vocab, (1, prefill), generator=tokens).to(model.device)
         ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)

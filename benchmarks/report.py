@@ -111,7 +111,11 @@ def generate_section(results: dict) -> list[str]:
 
     def cell(what: str, impl: str, batch: int | None = None, prompt: int | None = None) -> str:
         for r in rows:
-            if (r["what"], r["impl"]) == (what, impl) and batch in (None, r["batch"]) and prompt in (None, r["prompt"]):
+            if what == "decode" and (r["what"], r["impl"], r["batch"]) == ("generate", impl, batch):
+                if "decode_tok_per_s" in r:
+                    return f"{r['first_token_ms']:.1f} / {r['decode_tok_per_s']:.0f}"
+            elif ((r["what"], r["impl"]) == (what, impl) and batch in (None, r["batch"])
+                  and prompt in (None, r["prompt"])):
                 if what == "generate":
                     return f"{r['tok_per_s']:.0f} ({r['copy_fraction']:.0%})"
                 return f"{r.get('ms', r.get('s', r.get('value'))):.1f}"
@@ -126,6 +130,9 @@ def generate_section(results: dict) -> list[str]:
     for batch in batches:
         lines.append(f"| generate B{batch}, tok/s (share of copy) | "
                      + " | ".join(cell("generate", i, batch) for i in impls) + " |")
+    for batch in sorted({r["batch"] for r in rows if r["what"] == "generate" and "decode_tok_per_s" in r}):
+        lines.append(f"| B{batch}: first token (prefill), ms / decode steps alone, tok/s | "
+                     + " | ".join(cell("decode", i, batch) for i in impls) + " |")
     for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill"}):
         lines.append(f"| time to first token B1×{prompt}, ms | "
                      + " | ".join(cell("prefill", i, 1, prompt) for i in impls) + " |")
@@ -140,6 +147,8 @@ def generate_section(results: dict) -> list[str]:
     formula = next((r["formula"] for r in rows if r["what"] == "generate"), "")
     return lines + ["", f"Share of copy: bytes per step × steps/s over the copy bandwidth; {formula}. "
                     "tok/s = batch × new tokens / the median time of whole generate calls (prefill included). "
+                    + ("First token: the same prompt's call with one new token; decode steps alone: batch × (new − 1) "
+                       "/ (call time − first token). " if any("decode_tok_per_s" in r for r in rows) else "")
                     + ("Time to first token: one prompt length called again and again (fuselm replays its captured "
                        "prefill from the third call, up to 4096 tokens); a new length's first call prefills eagerly. "
                        if any(r["what"] == "prefill_eager" for r in rows) else "") +

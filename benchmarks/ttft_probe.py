@@ -223,7 +223,8 @@ def main() -> None:
     fuselm.patch(model)
     prompt = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device=model.device)
     if args.grow_to:
-        e2e.call(model, IMPLS[0], torch.randint(3, model.config.vocab_size, (args.batch, args.grow_to), device=model.device), 1)
+        grown = torch.randint(3, model.config.vocab_size, (args.batch, args.grow_to), device=model.device)
+        e2e.call(model, IMPLS[0], grown, 1)
     rows = []
     for path, mode in PATHS:
         switches = contextlib.ExitStack()
@@ -248,7 +249,8 @@ def main() -> None:
                     walls.append((time.perf_counter() - began) * 1e3)
                 cut = phases(call, args.repeats)
                 figures, table = profiled(call)
-                replayed = mode == "graph" and any(length == args.prompt for bucket in engine_of(model)._buckets.values()
+                buckets = engine_of(model)._buckets.values()
+                replayed = mode == "graph" and any(length == args.prompt for bucket in buckets
                                                    for length, _ in bucket.prefills.graphs)
                 row = {"impl": impl, "prefill": path, "mode": mode, "replayed": replayed, "batch": args.batch,
                        "prompt": args.prompt, "grow_to": args.grow_to, "event_ms": event_ms,

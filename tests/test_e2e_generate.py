@@ -31,6 +31,12 @@ def test_generate_and_prefill_rows(e2e, impl):
     assert kinds == [("first_call_s", 2, 12), ("generate", 2, 12), *prefills]
     assert all(row["impl"] == impl for row in rows)
     assert rows[1]["tok_per_s"] > 0 and all(row["ms"] > 0 for row in rows[2:])
+    # the decode steps' rate: the call less its first token's call (the same prompt, one new token)
+    generate = rows[1]
+    assert generate["first_token_ms"] > 0
+    call_ms = 2 * ARGS.new / generate["tok_per_s"] * 1e3
+    assert generate["decode_tok_per_s"] == pytest.approx(2 * (ARGS.new - 1) / ((call_ms - generate["first_token_ms"])
+                                                                                / 1e3))
 
 
 def test_eager_prefills_switch_the_graphs_off_and_back(e2e):

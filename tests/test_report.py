@@ -161,3 +161,15 @@ def test_generation_table_shows_the_eager_prefill_where_measured(report):
     lines = report.generate_section({**results, "rows": [*generated, eager]})
     assert "| time to first token B1×2048, a new prompt length (eager prefill), ms | 52.0 |" in lines
     assert "| time to first token B1×2048, ms | 45.0 |" in lines and "replays its captured prefill" in lines[-1]
+
+
+def test_generation_table_shows_the_decode_steps_alone_where_measured(report):
+    plain = _generate_row("fuselm.generate", 1, 230.0, copy_fraction=0.7, formula="f")
+    split = {**_generate_row("fuselm.generate", 32, 4700.0, copy_fraction=0.6, formula="f"),
+             "first_token_ms": 301.4, "decode_tok_per_s": 5712.3}
+    results = {**TRAIN, "triton": "3", "model": "m", "copy_gbps": 4000.0, "rows": [plain]}
+    assert not any("decode steps alone" in line for line in report.generate_section(results))
+    lines = report.generate_section({**results, "rows": [plain, split]})
+    assert "| B32: first token (prefill), ms / decode steps alone, tok/s | 301.4 / 5712 |" in lines
+    assert not any(line.startswith("| B1: first token") for line in lines)
+    assert "decode steps alone: batch × (new − 1)" in lines[-1]
