@@ -130,3 +130,24 @@ def test_the_forced_config_is_the_one_launched(monkeypatch):
     with fuselm.use_backend("triton"), forced_config(kernel, 3):
         fuselm.silu_mul(randn(5, 37), randn(5, 37))
     assert launched == [kernel.configs[3].kwargs["BLOCK"]] != [kernel.configs[0].kwargs["BLOCK"]]
+
+
+def test_a_meta_parameter_only_some_configs_name_reaches_the_kernel(monkeypatch):
+    """SWAP_AB is named by the swapped configs alone: a forced swapped config launches with it on, the others with
+    the kernel's default (off)."""
+    from fuselm.ops import decode_linear
+
+    kernel, launched = decode_linear._norm_gated_kernel, []
+    run = kernel.fn.run
+    monkeypatch.setitem(vars(kernel.fn), "run",
+                        lambda *args, **kwargs: launched.append(kwargs.get("SWAP_AB", False)) or run(*args, **kwargs))
+    swapped = next(i for i, config in enumerate(kernel.configs) if config.kwargs.get("SWAP_AB"))
+    assert "SWAP_AB" not in kernel.configs[0].kwargs
+    x, norm, gate, up = randn(5, 40), randn(40), randn(24, 40), randn(24, 40)
+    with fuselm.use_backend("triton"):
+        with forced_config(kernel, swapped):
+            fuselm.norm_gated_linear(x, norm, 1e-6, gate, up)
+        assert launched == [True]
+        if INTERPRETING:  # (a GPU would time every config here)
+            fuselm.norm_gated_linear(x, norm, 1e-6, gate, up)
+            assert launched == [True, False]

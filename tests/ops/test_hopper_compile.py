@@ -21,6 +21,7 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 import fuselm
+from fuselm.ops import decode_linear
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
@@ -112,3 +113,29 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
         [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(list(recorder.launches.values())),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real tests compile every launch")
+def test_swapped_configs_run_the_decode_projections_as_wgmma(monkeypatch):
+    """SWAP_AB's reason to exist: with the weight rows as the MMA's M side, a 64-row weight block runs as Hopper's
+    warp-group MMA, where the unswapped config with the same tiles runs mma.sync (the x rows, 16, as M)."""
+    recorder = LaunchRecorder(monkeypatch)
+    kernel = decode_linear._linear_residual_kernel
+    swapped = next(i for i, config in enumerate(kernel.configs) if config.kwargs.get("SWAP_AB"))
+    same_tiles = next(i for i, config in enumerate(kernel.configs)
+                      if {**config.kwargs, "SWAP_AB": True} == kernel.configs[swapped].kwargs)
+    launches = []
+    x, weight, residual = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((3, 40), (24, 40), (3, 24)))
+    with fuselm.use_backend("triton"):
+        for index in (swapped, same_tiles):
+            recorder.launches.clear()
+            recorder.forced = (kernel.fn, kernel.configs[index].num_warps)
+            with forced_config(kernel, index):
+                fuselm.linear_residual(x, weight, residual)
+            launches += list(recorder.launches.values())
+    assert [launch["constexprs"].get("SWAP_AB", False) for launch in launches] == [True, False]
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.compile_for_hopper", "--mma"], input=json.dumps(launches), capture_output=True,
+        text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == ["wgmma", "mma"]
