@@ -265,24 +265,12 @@ def _prune_dot_sizes(configs, named_args, **kwargs):
 
 
 _PRUNE = {"early_config_prune": _prune_dot_sizes}
-# Swapped configs (SWAP_AB, :func:`_accumulate`): the weight rows are the MMA's M side, so a program's BLOCK_N (or
-# half head) of at least 64 rows per warp group runs as Hopper's wgmma from shared memory (sm_90; triton 3.6 keeps the
-# unswapped dot of 16-64 rows on mma.sync, and spends 150-255 registers a thread on it with the norm in the
-# prologue); elsewhere, and below 64 rows, the same dot runs as before. Timed against the unswapped configs by the
-# autotuner (and tune_decode.py); the tuning tables' picks name the configs they chose.
-_SWAPPED = {"SWAP_AB": True}
-
-
-def _streaming_config(n: int, k: int, warps: int, stages: int, extra: dict | None = None) -> triton.Config:
-    return triton.Config({"BLOCK_N": n, "BLOCK_K": k, **(extra or {})}, num_warps=warps, num_stages=stages)
-
-
 # Shared memory per pipeline stage is about (weight tiles x BLOCK_N + BLOCK_M) x BLOCK_K elements: the configs keep
-# stages x that under ~192 KB for bf16 at BLOCK_M = 64 (two weight tiles); (32, 64, 4, 2) fits fp32 as well.
+# stages x that under ~192 KB for bf16 at BLOCK_M = 64 (two weight tiles); the last fits fp32 as well.
 _STREAMING_CONFIGS = [  # (BLOCK_N, BLOCK_K, warps, stages); the first is the one the interpreter runs
-    *(_streaming_config(*shape) for shape in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 2),
-                                              (128, 64, 8, 3), (16, 256, 4, 4), (128, 64, 4, 4), (32, 64, 4, 2)]),
-    *(_streaming_config(*shape, _SWAPPED) for shape in [(64, 128, 4, 4), (128, 64, 8, 4)]),
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 2), (128, 64, 8, 3),
+                       (16, 256, 4, 4), (128, 64, 4, 4), (32, 64, 4, 2)]
 ]
 _STREAMING_KEY = ["BLOCK_M", "n_out", "n_inner"]
 
@@ -302,9 +290,6 @@ _LINEAR_RESIDUAL_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_warps=w, num_stages=s)
     for n, k, split, w, s in [(16, 256, 2, 4, 4), (16, 256, 4, 4, 4), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3),
                               (16, 128, 4, 4, 4)]
-] + [  # swapped: 64-row column blocks (o: 64 of them) need split-K to fill the SMs
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, **_SWAPPED}, num_warps=w, num_stages=s)
-    for n, k, split, w, s in [(64, 128, 2, 4, 4), (64, 128, 4, 4, 3)]
 ]
 
 
@@ -327,7 +312,7 @@ def _linear_residual_kernel(
     x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
     # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
@@ -340,16 +325,15 @@ def _linear_residual_kernel(
     row_ok = rows < n_rows
     chunk = tl.cdiv(tl.cdiv(n_inner, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * chunk
-    acc = _new_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     _prefetch_weight_rows(w_ptr, cols_n, col_ok, k_lo, stride_wn, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
                              w_ptr.dtype.element_ty)
-        acc = _accumulate(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc, SWAP_AB)
+        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
     let_next_kernel_launch(DEPENDENT)
-    acc = _row_major(acc, SWAP_AB)
     mask = row_ok[:, None] & col_ok[None, :]
     last = True
     if SPLIT_K > 1:
@@ -377,7 +361,7 @@ def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
     HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
@@ -391,18 +375,17 @@ def _norm_gated_kernel(
     _prefetch_weight_rows(up_ptr, cols_n, col_ok, 0, stride_un, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
     sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_gate = _new_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc_up = _new_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
                                           sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty)
-        acc_gate = _accumulate(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate,
-                               SWAP_AB)
-        acc_up = _accumulate(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up, SWAP_AB)
+        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
+        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
     let_next_kernel_launch(DEPENDENT)
-    acc_gate = _scale_by_rstd(_row_major(acc_gate, SWAP_AB), sum_of_squares, n_inner, eps, HAS_NORM)
-    acc_up = _scale_by_rstd(_row_major(acc_up, SWAP_AB), sum_of_squares, n_inner, eps, HAS_NORM)
+    acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
+    acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
     out_dtype = out_ptr.dtype.element_ty
     gate = _cast(acc_gate, out_dtype).to(tl.float32)  # the rounded projections, as silu_mul reads them
     activated, _ = _activation(gate, ACTIVATION)
@@ -631,11 +614,14 @@ _QKV_KEY = ["BLOCK_M", "n_inner", "n_heads_q", "n_heads_kv", "head_dim", "half",
             "HAS_HEAD_NORM"]
 _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per head and SPLIT_K chunks of K spread a
     # projection over more SMs (SPLIT_K also for a head norm, which needs SPLIT = 1); (1, 64, 1, 4, 3) keeps whole
-    # heads of 256 (Gemma) within shared memory. The last two give 32 rows 192 programs that fit two or more per SM
-    # (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96 of 181 KB, one per SM.
-    # Neither they nor SPLIT_K = 11 (48 head slots x 11 = 4 x 132 programs: every SM busy) beat it on an H100
-    # (benchmarks/NOTES.md, session 18). (1, 256, 2, 8, 3) is the pick with 8 warps: its counters (session 19) show
-    # one 4-warp program per SM whose x tile, norm and mma are not hidden behind the weight stream; not yet timed.
+    # heads of 256 (Gemma) within shared memory. (2, 128, 2, 4, 3) and (1, 64, 4, 4, 4) give 32 rows 192 programs
+    # that fit two or more per SM (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96
+    # of 181 KB, one per SM. Neither they nor SPLIT_K = 11 (48 head slots x 11 = 4 x 132 programs: every SM busy) beat
+    # it on an H100 (benchmarks/NOTES.md, session 18). (1, 256, 2, 8, 3) is the pick with 8 warps: its counters
+    # (session 19) show one 4-warp program per SM whose x tile, norm and mma are not hidden behind the weight stream.
+    # The swapped configs (SWAP_AB, :func:`_accumulate`) run the dot as wgmma with a half head (64 rows at head_dim
+    # 128) as its M side: at M = 32 triton 3.6 gives them 128-140 registers a thread against the pick's 255 with
+    # mma.sync (benchmarks/kernel_resources.py). Not yet timed (session 13 timed swapped o, down and gate/up).
     triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k, **extra}, num_warps=w, num_stages=s)
     for split, k, split_k, w, s, extra in [
         *((*shape, {}) for shape in [
@@ -643,8 +629,8 @@ _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per he
             (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
             (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
             (2, 128, 2, 4, 3), (1, 64, 4, 4, 4), (1, 256, 2, 8, 3)]),
-        # swapped (whole half heads: 64 rows at head_dim 128); (1, 64, 4) gives 32 rows 192 programs, two per SM
-        *((*shape, _SWAPPED) for shape in [(1, 128, 1, 4, 4), (1, 128, 2, 4, 4), (1, 64, 4, 4, 4)])]
+        # swapped; (1, 64, 4) gives 32 rows 192 programs, two per SM
+        *((*shape, {"SWAP_AB": True}) for shape in [(1, 128, 1, 4, 4), (1, 128, 2, 4, 4), (1, 64, 4, 4, 4)])]
 ]
 _QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)
