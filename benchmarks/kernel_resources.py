@@ -1,14 +1,15 @@
-"""What each config of the decode projections' kernels costs an SM on Hopper, without a GPU.
+"""What each config of the decode step's kernels costs an SM on Hopper, without a GPU.
 
-For every config of qkv_rope's, gate/up's and linear_residual's kernels, at Llama-3-8B's decode shapes (bf16, M = B
-rows of one token), the script records the launch fuselm's op makes (under Triton's interpreter, the kernel not run:
-its arguments, constexprs, warps and stages) and compiles it for sm_90a as a GPU launch would be compiled: ints equal
-to 1 as constants, 16-divisible ints and 16-byte-aligned pointers marked divisible (without those marks the loads are
-neither vectorised nor pipelined and the figures say nothing). From ptxas's output it reports per program: registers
-per thread, stack bytes (spills), shared memory, the tensor-core instruction (wgmma is Hopper's asynchronous
-warp-group MMA; mma is mma.sync), the cp.async copies of the software pipeline, and how many programs fit one SM by
-registers and by shared memory (Hopper: 64 K registers and 227 KB of shared memory per SM, at most 2048 threads).
-Static figures, for choosing what to time: they predict occupancy and spills, not speed.
+For every config of qkv_rope's, gate/up's, linear_residual's and decode attention's kernels, at Llama-3-8B's decode
+shapes (bf16, M = B rows of one token; attention over a 1024-position cache), the script records the launch fuselm's
+op makes (under Triton's interpreter, the kernel not run: its arguments, constexprs, warps and stages) and compiles it
+for sm_90a as a GPU launch would be compiled: ints equal to 1 as constants, 16-divisible ints and 16-byte-aligned
+pointers marked divisible (without those marks the loads are neither vectorised nor pipelined and the figures say
+nothing). From ptxas's output it reports per program: registers per thread, stack bytes (spills), shared memory, the
+tensor-core instruction (wgmma is Hopper's asynchronous warp-group MMA; mma is mma.sync), the cp.async copies of the
+software pipeline, and how many programs fit one SM by registers and by shared memory (Hopper: 64 K registers and
+227 KB of shared memory per SM, at most 2048 threads). Static figures, for choosing what to time: they predict
+occupancy and spills, not speed.
 
     python benchmarks/kernel_resources.py [--rows 1 32] [--projections o down] [--out kernel-resources.json]
 """
@@ -28,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 REGISTERS_PER_SM, SHARED_PER_SM, THREADS_PER_SM = 65536, 232448, 2048
-PROJECTIONS = ("qkv_rope", "gate_up", "o", "down")
+PROJECTIONS = ("qkv_rope", "gate_up", "o", "down", "attention")
 TRITON_TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int64": "i64",
                 "torch.int32": "i32"}
 
@@ -41,7 +42,7 @@ def record_launches(rows: list[int], names: list[str]) -> list[dict]:
     import triton.runtime.interpreter as interpreter
     from decode_linear_bench import LLAMA3_8B, gate_up_projection, qkv_projection, residual_projection
 
-    from fuselm.ops import decode_linear
+    from fuselm.ops import attention, decode_linear
     from fuselm.ops._common import forced_config
 
     launches: list[dict] = []
@@ -73,21 +74,39 @@ def record_launches(rows: list[int], names: list[str]) -> list[dict]:
         qkv, gate_up = qkv_projection(LLAMA3_8B, m, as_generate=True), gate_up_projection(LLAMA3_8B, m)
         o = residual_projection("o", LLAMA3_8B.heads * LLAMA3_8B.head_dim, LLAMA3_8B.hidden, m)
         down = residual_projection("down", LLAMA3_8B.intermediate, LLAMA3_8B.hidden, m)
-        for name, kernel, projection, impl in [
-                ("qkv_rope", decode_linear._qkv_rope_split, qkv, "fused, norm in prologue"),
-                ("gate_up", decode_linear._norm_gated_kernel, gate_up, "fused, norm in prologue"),
-                ("o", decode_linear._linear_residual_kernel, o, "fused streaming kernel"),
-                ("down", decode_linear._linear_residual_kernel, down, "fused streaming kernel")]:
+        for name, kernel, call in [
+                ("qkv_rope", decode_linear._qkv_rope_split, _call(qkv, "fused, norm in prologue")),
+                ("gate_up", decode_linear._norm_gated_kernel, _call(gate_up, "fused, norm in prologue")),
+                ("o", decode_linear._linear_residual_kernel, _call(o, "fused streaming kernel")),
+                ("down", decode_linear._linear_residual_kernel, _call(down, "fused streaming kernel")),
+                ("attention", attention._decode_attention, _attention_call(m))]:
             if name not in names:
                 continue
-            inputs = projection.make_set()
             for index, config in enumerate(kernel.configs):
                 case = {"projection": name, "m": m, "config": {**config.kwargs, "num_warps": config.num_warps,
                                                                 "num_stages": config.num_stages}}
                 with forced_config(kernel, index), torch.no_grad():
-                    projection.impls[impl](inputs)
+                    call()
                 launches[-1]["num_warps"], launches[-1]["num_stages"] = config.num_warps, config.num_stages
     return launches
+
+
+def _call(projection, impl: str):
+    inputs = projection.make_set()
+    return lambda: projection.impls[impl](inputs)
+
+
+def _attention_call(batch: int):
+    """fuselm's decode attention op over Llama-3-8B's heads: ``batch`` rows of one query, a 1024-position cache."""
+    import torch
+    from decode_linear_bench import LLAMA3_8B, randn
+
+    from fuselm.ops import attention
+
+    q = randn(batch, LLAMA3_8B.heads, 1, LLAMA3_8B.head_dim)
+    k, v = (randn(batch, LLAMA3_8B.kv_heads, 1024, LLAMA3_8B.head_dim) for _ in range(2))
+    starts, ends = torch.zeros(batch, dtype=torch.int32), torch.full((batch,), 640, dtype=torch.int32)
+    return lambda: attention.DECODE_ATTENTION(q, k, v, starts, ends, LLAMA3_8B.head_dim**-0.5, 0.0, 0)
 
 
 # ----------------------------------------------------------------------------------- compiling (no interpreter)
@@ -173,7 +192,9 @@ def main() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(here), str(here.parent), os.environ.get("PYTHONPATH")]))}
     recorded = subprocess.run([sys.executable, __file__, "--record", "--rows", *map(str, args.rows),
-                               "--projections", *args.projections], env=env, capture_output=True, text=True, check=True)
+                               "--projections", *args.projections], env=env, capture_output=True, text=True)
+    if recorded.returncode:
+        sys.exit(f"recording the launches failed:\n{recorded.stderr[-3000:]}")
     os.environ.pop("TRITON_INTERPRET", None)
     with contextlib.redirect_stderr(open(os.devnull, "w")):  # triton's warnings per compile
         rows = compile_all(json.loads(recorded.stdout))
