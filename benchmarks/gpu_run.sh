@@ -12,10 +12,20 @@
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
 # "--only attention --sweep-splits 1 2 3 4"); prints a short table last.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
-# Results go to $OUT (the device tool's return folder) or benchmarks/results/.
+# Results go to $OUT (the device tool's return folder) or benchmarks/results/. The device tool brings back at most 8
+# files: with $OUT set and more files than that in it, they go into $OUT/results.tgz as the script exits (on SIGINT or
+# SIGTERM too, once the step in flight has ended: bash runs a trap between commands).
 set -uo pipefail
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
+pack() {
+  if [ -n "${OUT:-}" ] && [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tgz -printf '%P\n' | tar czf results.tgz --remove-files -T -)
+    echo "packed into $OUT/results.tgz: $(tar tzf "$OUT/results.tgz" | tr '\n' ' ')"
+  fi
+}
+trap pack EXIT
+trap 'exit 130' INT TERM
 if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel for the comparison
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -76,9 +86,16 @@ fi
 if [ "${FUSELM_SDPA:-0}" = 1 ]; then  # which SDPA backend a causal prefill gets per memory layout of q, k, v
   python3 benchmarks/sdpa_layout_probe.py --out "$out/sdpa-layout-h200.json" 2>&1 | tee "$out/sdpa-layout.log" | tail -n 20
 fi
-if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a B1 prefill call's time goes, in a fresh process (host lead, kernels)
-  python3 benchmarks/ttft_probe.py --out "$out/ttft-probe-h200.json" ${FUSELM_TTFT_ARGS:-} 2>&1 | tee "$out/ttft.log" \
-    | grep -E "event|impl|  fuselm|Error"
+if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a prefill call's time goes, in a fresh process (host lead, kernels)
+  # FUSELM_TTFT_ARGS: one probe's arguments, or several probes' separated by ';' (e.g. "--host-parts; --batch 32
+  # --prompt 512"), each run in its own process, the second and later writing ttft-probe-2-h200.json, ...
+  IFS=';' read -ra probes <<< "${FUSELM_TTFT_ARGS:-}"
+  [ ${#probes[@]} -gt 0 ] || probes=("")
+  for i in "${!probes[@]}"; do
+    suffix=$([ "$i" = 0 ] || echo "-$((i + 1))")
+    python3 benchmarks/ttft_probe.py --out "$out/ttft-probe$suffix-h200.json" ${probes[$i]} 2>&1 \
+      | tee "$out/ttft$suffix.log" | grep -E "event|impl|  fuselm|Error"
+  done
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
