@@ -40,7 +40,6 @@ def record_launches(rows: list[int], names: list[str]) -> list[dict]:
     process with TRITON_INTERPRET=1: the interpreter records; nothing runs)."""
     import torch
     import triton.runtime.interpreter as interpreter
-    from decode_linear_bench import LLAMA3_8B, gate_up_projection, qkv_projection, residual_projection
 
     from fuselm.ops import attention, decode_linear
     from fuselm.ops._common import forced_config
@@ -65,30 +64,44 @@ def record_launches(rows: list[int], names: list[str]) -> list[dict]:
                 arguments[name] = {"type": "i32" if -2**31 <= value < 2**31 else "i64", "value": value}
             else:
                 arguments[name] = {"type": "fp32"}
+        # the interpreter is not handed warps and stages: they are the forced config's
         launches.append({**case, "module": function.fn.__module__, "kernel": function.fn.__name__,
-                         "arguments": arguments, "constexprs": constexprs, "num_warps": kwargs.get("num_warps", 4),
-                         "num_stages": kwargs.get("num_stages", 3)})
+                         "arguments": arguments, "constexprs": constexprs, "num_warps": case["config"]["num_warps"],
+                         "num_stages": case["config"]["num_stages"]})
 
     interpreter.InterpretedFunction.run = record
+    kernels = {"qkv_rope": decode_linear._qkv_rope_split, "gate_up": decode_linear._norm_gated_kernel,
+               "o": decode_linear._linear_residual_kernel, "down": decode_linear._linear_residual_kernel,
+               "attention": attention._decode_attention}
     for m in rows:
-        qkv, gate_up = qkv_projection(LLAMA3_8B, m, as_generate=True), gate_up_projection(LLAMA3_8B, m)
-        o = residual_projection("o", LLAMA3_8B.heads * LLAMA3_8B.head_dim, LLAMA3_8B.hidden, m)
-        down = residual_projection("down", LLAMA3_8B.intermediate, LLAMA3_8B.hidden, m)
-        for name, kernel, call in [
-                ("qkv_rope", decode_linear._qkv_rope_split, _call(qkv, "fused, norm in prologue")),
-                ("gate_up", decode_linear._norm_gated_kernel, _call(gate_up, "fused, norm in prologue")),
-                ("o", decode_linear._linear_residual_kernel, _call(o, "fused streaming kernel")),
-                ("down", decode_linear._linear_residual_kernel, _call(down, "fused streaming kernel")),
-                ("attention", attention._decode_attention, _attention_call(m))]:
-            if name not in names:
-                continue
+        for name in (name for name in PROJECTIONS if name in names):
+            kernel, call = kernels[name], _launching_call(name, m)  # the inputs of the named kernels only
             for index, config in enumerate(kernel.configs):
                 case = {"projection": name, "m": m, "config": {**config.kwargs, "num_warps": config.num_warps,
                                                                 "num_stages": config.num_stages}}
+                recorded = len(launches)
                 with forced_config(kernel, index), torch.no_grad():
                     call()
-                launches[-1]["num_warps"], launches[-1]["num_stages"] = config.num_warps, config.num_stages
+                if len(launches) != recorded + 1:
+                    raise RuntimeError(f"{name} at M = {m}: {len(launches) - recorded} launches for one call")
     return launches
+
+
+def _launching_call(name: str, m: int):
+    """A call of fuselm's op that launches kernel ``name`` at M = m, on inputs made now."""
+    from decode_linear_bench import LLAMA3_8B, gate_up_projection, qkv_projection, residual_projection
+
+    if name == "attention":
+        return _attention_call(m)
+    projection, impl = {
+        "qkv_rope": lambda: (qkv_projection(LLAMA3_8B, m, as_generate=True), "fused, norm in prologue"),
+        "gate_up": lambda: (gate_up_projection(LLAMA3_8B, m), "fused, norm in prologue"),
+        "o": lambda: (residual_projection("o", LLAMA3_8B.heads * LLAMA3_8B.head_dim, LLAMA3_8B.hidden, m),
+                      "fused streaming kernel"),
+        "down": lambda: (residual_projection("down", LLAMA3_8B.intermediate, LLAMA3_8B.hidden, m),
+                         "fused streaming kernel"),
+    }[name]()
+    return _call(projection, impl)
 
 
 def _call(projection, impl: str):
