@@ -431,18 +431,42 @@ def _head_norm(a, weight_ptr, cols, ok, rstd, offset, CAST_NORMED: tl.constexpr,
 
 
 @triton.jit
+def _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, rotates,
+                   stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd):
+    """cos and sin at columns d1 and d1 + half of each row's (b, t): four fp32 [BLOCK_M, len(d1)] tiles, read once
+    for every head the caller rotates with them; nothing is read where ``rotates`` is False (a v head)."""
+    b, t = rows // seq_len, rows % seq_len
+    mask = tl.where(rotates, row_ok, False)[:, None] & ok1[None, :]
+    cos_row = (cos_ptr + b * stride_cb + t * stride_ct)[:, None]
+    sin_row = (sin_ptr + b * stride_sb + t * stride_st)[:, None]
+    c1 = tl.load(cos_row + d1[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + (d1 + half)[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    n1 = tl.load(sin_row + d1[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    n2 = tl.load(sin_row + (d1 + half)[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, n1, n2
+
+
+@triton.jit
+def _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, writes_cache):
+    """Each row's cache position (int64; -1 where the row does not exist or ``writes_cache`` is False: a q head)."""
+    b, t = rows // seq_len, rows % seq_len
+    return tl.load(positions_ptr + b * stride_pb + t * stride_pt, mask=tl.where(writes_cache, row_ok, False),
+                   other=-1).to(tl.int64)
+
+
+@triton.jit
 def _finish_head(
-    a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok,
-    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, c1, c2, n1, n2, position,
+    q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     seq_len, head_dim, half, cache_len, head_eps, offset,
-    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
     """Epilogue of one head's projection (a1, a2: the rounded [BLOCK_M, *] columns d1 and d1 + half, tail_values
-    those of tail): head norm and RoPE for q and k, then the store, q into q_out at its step t, k and v into their
-    cache at the row's position (rows whose position is outside [0, cache_len) write nothing)."""
+    those of tail): head norm and RoPE (with :func:`_rotary_tables`' c1, c2, n1, n2) for q and k, then the store,
+    q into q_out at its step t, k and v into their cache at the row's position (:func:`_cache_rows`; rows whose
+    position is outside [0, cache_len) write nothing)."""
     dtype = q_out_ptr.dtype.element_ty
     b, t = rows // seq_len, rows % seq_len
     if kind < 2:
@@ -456,18 +480,10 @@ def _finish_head(
             a2 = _head_norm(a2, norm_ptr, d1 + half, ok1, rstd, offset, CAST_NORMED, dtype)
             if HAS_TAIL:
                 tail_values = _head_norm(tail_values, norm_ptr, tail, tail_ok, rstd, offset, CAST_NORMED, dtype)
-        mask = row_ok[:, None] & ok1[None, :]
-        cos_row = (cos_ptr + b * stride_cb + t * stride_ct)[:, None]
-        sin_row = (sin_ptr + b * stride_sb + t * stride_st)[:, None]
-        c1 = tl.load(cos_row + d1[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_row + (d1 + half)[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
-        n1 = tl.load(sin_row + d1[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
-        n2 = tl.load(sin_row + (d1 + half)[None, :] * stride_sd, mask=mask, other=0.0).to(tl.float32)
         a1, a2 = a1 * c1 - a2 * n1, a2 * c2 + a1 * n2
     if kind == 0:
         out, stride_d, write = q_out_ptr + b * stride_qb + head * stride_qh + t * stride_qt, stride_qd, row_ok
     else:
-        position = tl.load(positions_ptr + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int64)
         write = row_ok & (position >= 0) & (position < cache_len)
         if kind == 1:
             out, stride_d = k_cache_ptr + b * stride_kb + head * stride_kh + position * stride_kl, stride_kd
@@ -599,14 +615,14 @@ def _qkv_rope_epilogue(
         if HAS_TAIL:
             acc_tail += tl.load(b_ptr + rows_tail, mask=tail_ok, other=0.0).to(tl.float32)[None, :]
     dtype = q_out_ptr.dtype.element_ty
+    c1, c2, n1, n2 = _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, kind < 2,
+                                    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd)
     _finish_head(
         _cast(acc1, dtype).to(tl.float32), _cast(acc2, dtype).to(tl.float32), _cast(acc_tail, dtype).to(tl.float32),
-        kind,
-        head, rows, row_ok, d1, ok1, tail, tail_ok,
-        q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-        seq_len, head_dim, half, cache_len, head_eps, offset,
-        stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
-        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+        kind, head, rows, row_ok, d1, ok1, tail, tail_ok, c1, c2, n1, n2,
+        _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, kind > 0),
+        q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, seq_len, head_dim, half, cache_len, head_eps,
+        offset, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
 
 
@@ -653,26 +669,33 @@ def _qkv_epilogue_kernel(
     HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
     BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    # Large-M epilogue after the cuBLAS projections. Program (i, slot) owns rows [i * BLOCK_M, +BLOCK_M) of head
-    # slot ``slot`` (q heads, then k, then v): reads their BLOCK_M x D projection values (bias already added) once,
-    # runs head norm and RoPE, and writes them once, to q_out or to the caches.
+    # Large-M epilogue after the cuBLAS projections. Program (i, kv_head) owns rows [i * BLOCK_M, +BLOCK_M) of one
+    # GQA group: the Hq / Hkv q heads that read kv head kv_head, then that k head and that v head. It reads the
+    # rows' cos/sin and cache positions once for the group, then each head's BLOCK_M x D projection values (bias
+    # already added) once, runs head norm and RoPE, and writes them once, to q_out or to the caches.
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < n_rows
-    kind, head, proj_ptr, stride_row = _select_head(tl.program_id(1), n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
-                                                    stride_q, stride_k, stride_v)
+    kv_head = tl.program_id(1)
+    group = n_heads_q // n_heads_kv
     d1, ok1, tail, tail_ok = _head_columns(0, half, head_dim, 1, BLOCK_HALF_HEAD, BLOCK_TAIL)
-    row_base = (proj_ptr + rows * stride_row + head * head_dim)[:, None]
-    mask = row_ok[:, None] & ok1[None, :]
-    a1 = tl.load(row_base + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-    a2 = tl.load(row_base + half + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-    tail_values = tl.load(row_base + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :], other=0.0).to(tl.float32)
-    _finish_head(
-        a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok,
-        q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-        seq_len, head_dim, half, cache_len, head_eps, offset,
-        stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, stride_pb, stride_pt,
-        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-        stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
+    c1, c2, n1, n2 = _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, True,
+                                    stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd)
+    position = _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, True)
+    for i in range(group + 2):  # head slots: q heads kv_head * group + i, then k and v head kv_head
+        slot = tl.where(i < group, kv_head * group + i, n_heads_q + (i - group) * n_heads_kv + kv_head)
+        kind, head, proj_ptr, stride_row = _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
+                                                        stride_q, stride_k, stride_v)
+        row_base = (proj_ptr + rows * stride_row + head * head_dim)[:, None]
+        mask = row_ok[:, None] & ok1[None, :]
+        a1 = tl.load(row_base + d1[None, :], mask=mask, other=0.0).to(tl.float32)
+        a2 = tl.load(row_base + half + d1[None, :], mask=mask, other=0.0).to(tl.float32)
+        tail_values = tl.load(row_base + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :],
+                              other=0.0).to(tl.float32)
+        _finish_head(
+            a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, c1, c2, n1, n2, position,
+            q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, seq_len, head_dim, half, cache_len,
+            head_eps, offset, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+            stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -776,7 +799,7 @@ def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | 
     n_rows = q.shape[0]
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
     q_out = new_output((n_rows // seq_len, seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
-    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_heads + 2 * num_kv_heads)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_kv_heads)  # noqa: E731
     head_norms = [w.contiguous() if w is not None else q for w in (q_norm_weight, k_norm_weight)]
     _qkv_epilogue_kernel[grid](
         q, k, v, *head_norms, cos, sin, cache_positions, q_out, k_cache, v_cache,
