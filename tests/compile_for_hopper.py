@@ -1,7 +1,6 @@
 """Compiles recorded Triton kernel launches for Hopper (sm_90) without a GPU.
 
     python -m tests.compile_for_hopper < launches.json
-    python -m tests.compile_for_hopper --mma < launches.json    (prints each launch's MMA instruction, as JSON)
 
 Reads a JSON list of launches, each ``{"module", "kernel", "signature", "constexprs", "num_warps"}``
 (signature: argument name to a Triton type such as ``"*bf16"`` or ``"i32"``; constexprs: name to
@@ -33,24 +32,15 @@ def jit_function(module: str, name: str) -> JITFunction:
     return kernel
 
 
-def compile_launch(launch: dict):
+def compile_launch(launch: dict) -> None:
     kernel = jit_function(launch["module"], launch["kernel"])
     constexprs = {(kernel.arg_names.index(name),): value for name, value in launch["constexprs"].items()}
     signature = {**launch["signature"], **{name: "constexpr" for name in launch["constexprs"]}}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": launch["num_warps"]})
-
-
-def mma_instruction(launch: dict) -> str:
-    """The tensor-core instruction the launch's PTX uses: "wgmma" (Hopper's warp-group MMA), "mma" or "none"."""
-    ptx = compile_launch(launch).asm["ptx"]
-    return "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "none"
+    triton.compile(source, target=HOPPER, options={"num_warps": launch["num_warps"]})
 
 
 def main() -> int:
-    if "--mma" in sys.argv:
-        print(json.dumps([mma_instruction(launch) for launch in json.load(sys.stdin)]))
-        return 0
     failures = 0
     for launch in json.load(sys.stdin):
         try:

@@ -31,6 +31,6 @@ def test_every_o_projection_config_gets_its_figures(tmp_path):
         assert "error" not in row, row
         assert 0 < row["registers"] <= 255 and row["stack_bytes"] >= 0 and row["shared_bytes"] > 0
         assert row["cp_async"] > 0  # divisibility marked: the weight loads are pipelined, as on a GPU
-        assert row["mma"] == "mma"  # M = 1: the x rows (16 with padding) are the dot's M side (no SWAP_AB for o)
+        assert row["mma"] == "mma"  # M = 1: the x rows (16 with padding) are the dot's M side
         assert min(row["programs_per_sm_by_registers"], row["programs_per_sm_by_shared"]) >= 1
     assert "BLOCK_N=16" in result.stdout  # the table

@@ -441,15 +441,9 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
         return tuned
 
     def pin(fn):
-        # each launch reads the pinned config's values (the kernel's default for a name it leaves out), so the grid
-        # and best_config always agree
-        python_function = fn
-        while not inspect.isfunction(python_function):  # through the interpreter's and any heuristics' wrappers
-            python_function = python_function.fn
-        defaults = {name: p.default for name, p in inspect.signature(python_function).parameters.items()}
-        names = dict.fromkeys(name for config in configs for name in config.kwargs)
-        kernel = triton.heuristics({name: (lambda _args, name=name: kernel.best_config.kwargs.get(name, defaults[name]))
-                                    for name in names})(fn)
+        # each launch reads the pinned config's values, so the grid and best_config always agree
+        kernel = triton.heuristics({name: (lambda _args, name=name: kernel.best_config.kwargs[name])
+                                    for name in configs[0].kwargs})(fn)
         kernel.configs = configs
         kernel.best_config = configs[0]  # what triton.autotune exposes after a launch
         return kernel

@@ -225,38 +225,6 @@ def _dot(x, w, acc):
     return tl.dot(x, w, acc, input_precision="ieee")
 
 
-@triton.jit
-def _new_accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """fp32 zeros for the [BLOCK_M, BLOCK_N] product of :func:`_accumulate`, [BLOCK_N, BLOCK_M] with SWAP_AB."""
-    # one return: triton compiles the statements after a constexpr branch's return too
-    if SWAP_AB:
-        zeros = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return zeros
-
-
-@triton.jit
-def _accumulate(x, w, acc, SWAP_AB: tl.constexpr):
-    """acc + x @ w for an x tile [BLOCK_M, BLOCK_K] and a weight tile [BLOCK_K, BLOCK_N]. With SWAP_AB, acc is the
-    transpose and gains w.T @ x.T: the weight rows are the MMA's M side, so on Hopper a warp group's wgmma (M = 64)
-    takes them, reading both tiles from shared memory, with the few x rows as its N; unswapped, M is BLOCK_M (16 to
-    64 rows) and the dot runs as mma.sync from registers."""
-    if SWAP_AB:
-        acc = _dot(tl.trans(w), tl.trans(x), acc)
-    else:
-        acc = _dot(x, w, acc)
-    return acc
-
-
-@triton.jit
-def _row_major(acc, SWAP_AB: tl.constexpr):
-    """An :func:`_accumulate` product as [BLOCK_M, BLOCK_N]."""
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    return acc
-
-
 def _prune_dot_sizes(configs, named_args, **kwargs):
     """On a GPU tl.dot needs every tile side >= 16: drops the head splits too fine for a head's columns."""
     block_half = {**named_args, **kwargs}.get("BLOCK_HALF_HEAD")
@@ -510,7 +478,7 @@ def _qkv_rope_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
     HAS_TAIL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
@@ -533,20 +501,18 @@ def _qkv_rope_kernel(
     _prefetch_weight_rows(w_ptr, rows_second, ok1, k_lo, stride_w, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
     sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc1 = _new_accumulator(BLOCK_M, BLOCK_HALF_HEAD // SPLIT, SWAP_AB)
-    acc2 = _new_accumulator(BLOCK_M, BLOCK_HALF_HEAD // SPLIT, SWAP_AB)
-    acc_tail = _new_accumulator(BLOCK_M, BLOCK_TAIL, SWAP_AB)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF_HEAD // SPLIT], dtype=tl.float32)
+    acc_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], dtype=tl.float32)
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
                                           sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty)
-        acc1 = _accumulate(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1, SWAP_AB)
-        acc2 = _accumulate(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2, SWAP_AB)
+        acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
+        acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
         if HAS_TAIL:
-            acc_tail = _accumulate(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail,
-                                   SWAP_AB)
+            acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
     let_next_kernel_launch(DEPENDENT)
-    acc1, acc2, acc_tail = _row_major(acc1, SWAP_AB), _row_major(acc2, SWAP_AB), _row_major(acc_tail, SWAP_AB)
     last = True
     if SPLIT_K > 1:
         # the partial's columns: slot s's head_dim columns of the [SPLIT_K, M, slots * D] fp32 workspace
@@ -633,20 +599,14 @@ _QKV_CONFIGS = [  # (SPLIT, BLOCK_K, SPLIT_K, warps, stages): SPLIT parts per he
     # heads of 256 (Gemma) within shared memory. (2, 128, 2, 4, 3) and (1, 64, 4, 4, 4) give 32 rows 192 programs
     # that fit two or more per SM (49 and 66 KB of shared memory, sm_90): M = 32's pick, (1, 256, 2, 4, 3), runs 96
     # of 181 KB, one per SM. Neither they nor SPLIT_K = 11 (48 head slots x 11 = 4 x 132 programs: every SM busy) beat
-    # it on an H100 (benchmarks/NOTES.md, session 18). (1, 256, 2, 8, 3) is the pick with 8 warps: its counters
-    # (session 19) show one 4-warp program per SM whose x tile, norm and mma are not hidden behind the weight stream.
-    # The swapped configs (SWAP_AB, :func:`_accumulate`) run the dot as wgmma with a half head (64 rows at head_dim
-    # 128) as its M side: at M = 32 triton 3.6 gives them 128-140 registers a thread against the pick's 255 with
-    # mma.sync (benchmarks/kernel_resources.py). Not yet timed (session 13 timed swapped o, down and gate/up).
-    triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k, **extra}, num_warps=w, num_stages=s)
-    for split, k, split_k, w, s, extra in [
-        *((*shape, {}) for shape in [
-            (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
-            (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
-            (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
-            (2, 128, 2, 4, 3), (1, 64, 4, 4, 4), (1, 256, 2, 8, 3)]),
-        # swapped; (1, 64, 4) gives 32 rows 192 programs, two per SM
-        *((*shape, {"SWAP_AB": True}) for shape in [(1, 128, 1, 4, 4), (1, 128, 2, 4, 4), (1, 64, 4, 4, 4)])]
+    # it on an H100 (benchmarks/NOTES.md, session 18), nor did the pick with 8 warps or with the dot swapped to run
+    # as wgmma (W-tile @ x.T: 128-140 registers against 255), which tied or lost (session 22).
+    triton.Config({"SPLIT": split, "BLOCK_K": k, "SPLIT_K": split_k}, num_warps=w, num_stages=s)
+    for split, k, split_k, w, s in [
+        (1, 128, 1, 4, 4), (2, 128, 1, 4, 4), (4, 128, 1, 4, 4), (2, 256, 1, 4, 3), (4, 256, 1, 4, 3),
+        (1, 256, 1, 8, 2), (2, 64, 1, 4, 4), (1, 64, 1, 4, 3),
+        (2, 256, 2, 4, 3), (4, 256, 2, 4, 3), (4, 128, 4, 4, 4), (1, 256, 2, 4, 3), (1, 128, 4, 4, 4),
+        (2, 128, 2, 4, 3), (1, 64, 4, 4, 4)]
 ]
 _QKV_MAX_SPLIT = max(config.kwargs["SPLIT"] for config in _QKV_CONFIGS)  # head parts: one ticket each
 _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(_qkv_rope_kernel)

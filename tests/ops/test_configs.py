@@ -130,25 +130,3 @@ def test_the_forced_config_is_the_one_launched(monkeypatch):
     with fuselm.use_backend("triton"), forced_config(kernel, 3):
         fuselm.silu_mul(randn(5, 37), randn(5, 37))
     assert launched == [kernel.configs[3].kwargs["BLOCK"]] != [kernel.configs[0].kwargs["BLOCK"]]
-
-
-def test_a_meta_parameter_only_some_configs_name_reaches_the_kernel(monkeypatch):
-    """SWAP_AB is named by qkv_rope's swapped configs alone: a forced swapped config launches with it on, the others
-    with the kernel's default (off)."""
-    from fuselm.ops import decode_linear
-    from tests.ops.test_decode_linear import _qkv_inputs
-
-    kernel, launched = decode_linear._qkv_rope_split, []
-    run = kernel.fn.run
-    monkeypatch.setitem(vars(kernel.fn), "run",
-                        lambda *args, **kwargs: launched.append(kwargs.get("SWAP_AB", False)) or run(*args, **kwargs))
-    swapped = next(i for i, config in enumerate(kernel.configs) if config.kwargs.get("SWAP_AB"))
-    assert "SWAP_AB" not in kernel.configs[0].kwargs
-    args, options = _qkv_inputs(2, 1, torch.float32, head_dim=128)
-    with fuselm.use_backend("triton"):
-        with forced_config(kernel, swapped):
-            fuselm.qkv_rope(*args, **options)
-        assert launched == [True]
-        if INTERPRETING:  # (a GPU would time every config here)
-            fuselm.qkv_rope(*args, **options)
-            assert launched == [True, False]

@@ -21,7 +21,6 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 import fuselm
-from fuselm.ops import decode_linear
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
@@ -113,33 +112,3 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
         [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(list(recorder.launches.values())),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real tests compile every launch")
-def test_swapped_configs_run_the_qkv_projection_as_wgmma(monkeypatch):
-    """SWAP_AB's reason to exist: with a half head's weight rows (64 at head_dim 128) as the MMA's M side, qkv_rope's
-    dot runs as Hopper's warp-group MMA, where the unswapped config with the same tiles runs mma.sync (the x rows,
-    16, as M)."""
-    from tests.ops.test_decode_linear import _qkv_inputs
-
-    recorder = LaunchRecorder(monkeypatch)
-    kernel = decode_linear._qkv_rope_split
-    swapped = next(i for i, config in enumerate(kernel.configs) if config.kwargs.get("SWAP_AB"))
-    same_tiles = next(i for i, config in enumerate(kernel.configs)
-                      if {**config.kwargs, "SWAP_AB": True} == kernel.configs[swapped].kwargs
-                      and config.num_warps == kernel.configs[swapped].num_warps)
-    args, options = _qkv_inputs(2, 1, torch.bfloat16, head_dim=128)
-    launches = []
-    with fuselm.use_backend("triton"):
-        for index in (swapped, same_tiles):
-            recorder.launches.clear()
-            recorder.forced = (kernel.fn, kernel.configs[index].num_warps)
-            with forced_config(kernel, index):
-                fuselm.qkv_rope(*args, **options)
-            launches += list(recorder.launches.values())
-    assert [launch["constexprs"].get("SWAP_AB", False) for launch in launches] == [True, False]
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.compile_for_hopper", "--mma"], input=json.dumps(launches), capture_output=True,
-        text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout) == ["wgmma", "mma"]
