@@ -108,11 +108,15 @@ def time_shape(heads: Heads, batch: int, context: int, valid: int, copy_gbps: fl
     return rows
 
 
-def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[int, ...] = (),
+SWEEPABLE = {"programs_per_sm": ("PROGRAMS_PER_SM", "pps"), "combine_elements": ("COMBINE_ELEMENTS", "ce")}
+
+
+def rows(copy_gbps: float, *, smoke: bool = False, sweeps: dict[str, tuple[int, ...]] | None = None,
          sweep_configs: bool = False) -> list[dict]:
-    """The attention rows: every implementation at each shape, full and half-full caches; then fuselm alone with
-    attention.PROGRAMS_PER_SM set to each of ``sweep_programs_per_sm`` (impl ``fuselm_ppsN``), and with
-    ``sweep_configs`` each autotune config forced in turn (impl ``fuselm_cfgI``, I its index in the configs)."""
+    """The attention rows: every implementation at each shape, full and half-full caches; then fuselm alone with a
+    module constant of :data:`SWEEPABLE` set to each of ``sweeps[name]`` (impl ``fuselm_ppsN`` for
+    attention.PROGRAMS_PER_SM, ``fuselm_ceN`` for attention.COMBINE_ELEMENTS), and with ``sweep_configs`` each
+    autotune config forced in turn (impl ``fuselm_cfgI``, I its index in the configs)."""
     heads, shapes = (SMOKE, SMOKE_SHAPES) if smoke else (LLAMA3_8B, SHAPES)
     out = []
     for batch, context in shapes:
@@ -120,15 +124,18 @@ def rows(copy_gbps: float, *, smoke: bool = False, sweep_programs_per_sm: tuple[
             out += time_shape(heads, batch, context, valid, copy_gbps)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    chosen = attention.PROGRAMS_PER_SM
-    try:
-        for factor in sweep_programs_per_sm:
-            attention.PROGRAMS_PER_SM = factor
-            for batch, context in shapes:
-                for valid in (context, context // 2):
-                    out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",), label=f"_pps{factor}")
-    finally:
-        attention.PROGRAMS_PER_SM = chosen
+    for name, values in (sweeps or {}).items():
+        constant, prefix = SWEEPABLE[name]
+        chosen = getattr(attention, constant)
+        try:
+            for value in values:
+                setattr(attention, constant, value)
+                for batch, context in shapes:
+                    for valid in (context, context // 2):
+                        out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm",),
+                                          label=f"_{prefix}{value}")
+        finally:
+            setattr(attention, constant, chosen)
     for index in range(len(attention._decode_attention.configs) if sweep_configs else 0):
         with forced_config(attention._decode_attention, index):
             for batch, context in shapes:
@@ -192,7 +199,7 @@ def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, configs: boo
 def settings() -> dict:
     """What the rows ran with: the split factor and the configs the autotuner chose (none under the interpreter)."""
     tuned = getattr(attention._decode_attention, "cache", {})
-    return {"programs_per_sm": attention.PROGRAMS_PER_SM,
+    return {"programs_per_sm": attention.PROGRAMS_PER_SM, "combine_elements": attention.COMBINE_ELEMENTS,
             "tuned_configs": {str(key): str(config) for key, config in tuned.items()}}
 
 

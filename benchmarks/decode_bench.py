@@ -389,6 +389,8 @@ def main() -> None:
                         help="projection M values (above decode_linear.MAX_STREAMING_ROWS the fused ops take cuBLAS)")
     parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
                         help="also time fuselm attention with attention.PROGRAMS_PER_SM at each (impl fuselm_ppsN)")
+    parser.add_argument("--sweep-combine-elements", type=int, nargs="*", default=[],
+                        help="also time fuselm attention with attention.COMBINE_ELEMENTS at each (impl fuselm_ceN)")
     parser.add_argument("--sweep-min-split-positions", type=int, nargs="*", default=[],
                         help="also time fuselm attention at B = 1, short contexts, with attention.MIN_SPLIT_POSITIONS "
                              "at each (impl fuselm_mspN)")
@@ -414,8 +416,9 @@ def main() -> None:
         for what in whats:
             began = time.perf_counter()
             if what == "attention":
-                rows += decode_attention_bench.rows(copy, smoke=args.smoke,
-                                                    sweep_programs_per_sm=tuple(args.sweep_programs_per_sm),
+                sweeps = {"programs_per_sm": tuple(args.sweep_programs_per_sm),
+                          "combine_elements": tuple(args.sweep_combine_elements)}
+                rows += decode_attention_bench.rows(copy, smoke=args.smoke, sweeps=sweeps,
                                                     sweep_configs=args.sweep_attention_configs)
                 rows += decode_attention_bench.split_rows(copy, tuple(args.sweep_min_split_positions), smoke=args.smoke)
                 rows += decode_attention_bench.forced_split_rows(copy, tuple(args.sweep_splits),

@@ -60,7 +60,9 @@ LENGTH_DTYPES = (torch.int32, torch.int64)
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_POSITIONS = 64
 MAX_SPLITS = 64
-TILE_ELEMENTS = 8192  # fp32 elements of a program's [rows, D] accumulator (and of one combine step)
+TILE_ELEMENTS = 8192  # fp32 elements of a program's [rows, D] accumulator
+# fp32 elements of one combine step's partial outputs: 32 splits of 4 rows x 128 (B = 1 x 32k's, GQA 4) in one step
+COMBINE_ELEMENTS = 16384
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined K/V tiles a config may hold (H200: 227 KiB per block)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _WIDEN_BF16_DOT = tl.constexpr(INTERPRETING)
@@ -170,7 +172,14 @@ def _decode_attention_kernel(
     unit = b * tl.num_programs(1) + tl.program_id(1)  # (b, kv head, row block): its partials and ticket
     row_blocks = (GROUP * N_QUERIES + BLOCK_M - 1) // BLOCK_M
     kv_head, row_block = tl.program_id(1) // row_blocks, tl.program_id(1) % row_blocks
+    local, row_ok, heads, queries = _query_rows(row_block, kv_head, BLOCK_M, GROUP, N_QUERIES, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    out_mask = row_ok[:, None] & d_ok[None, :]
     wait_for_previous_kernel(DEPENDENT)
+    # q is read before the lengths, by every program, so that its latency overlaps theirs
+    q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
+                mask=out_mask, other=0.0)
     start = tl.maximum(tl.load(starts_ptr + b).to(tl.int32), 0)
     end = tl.load(ends_ptr + b).to(tl.int32)
     hi = tl.minimum(end, cache_len)
@@ -181,15 +190,9 @@ def _decode_attention_kernel(
     chunk = tl.maximum(tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
     n_active = tl.cdiv(span, chunk)
 
-    local, row_ok, heads, queries = _query_rows(row_block, kv_head, BLOCK_M, GROUP, N_QUERIES, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     out_base = out_ptr + b * stride_ob
     out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
-    out_mask = row_ok[:, None] & d_ok[None, :]
     if split < n_active:
-        q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
-                    mask=out_mask, other=0.0)
         query_pos = end - N_QUERIES + queries
         row_lo = tl.full([BLOCK_M], 0, tl.int32) + start
         if HAS_WINDOW:
@@ -320,7 +323,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
         scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
-        COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, TILE_ELEMENTS // (combine_rows * block_d)),
+        COMBINE_ROWS=combine_rows, COMBINE_SPLITS=max(1, COMBINE_ELEMENTS // (combine_rows * block_d)),
         **dependent_launch(q.device, batch * n_queries, prefetch=False),
     )
     return out
