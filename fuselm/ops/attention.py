@@ -61,8 +61,9 @@ PROGRAMS_PER_SM = 2
 MIN_SPLIT_POSITIONS = 64
 MAX_SPLITS = 64
 TILE_ELEMENTS = 8192  # fp32 elements of a program's [rows, D] accumulator
-# fp32 elements of one combine step's partial outputs: 32 splits of 4 rows x 128 (B = 1 x 32k's, GQA 4) in one step
-COMBINE_ELEMENTS = 16384
+# fp32 elements of one combine step's partial outputs: 16 splits of 4 rows x 128 (B = 1 x 32k's 32 partials, GQA 4,
+# in two steps). 16384 merges them in one, at 198 registers a thread against 151 (sm_90a): not yet timed.
+COMBINE_ELEMENTS = 8192
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined K/V tiles a config may hold (H200: 227 KiB per block)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _WIDEN_BF16_DOT = tl.constexpr(INTERPRETING)
