@@ -37,8 +37,8 @@ CASES = {
     "ratio8-T3-softcap-d80": Case(8, 1, 3, 80, 37, (2, 0), (37, 9), softcap=30.0, splits=2),
     # window shorter than the context, crossing splits; T = 3
     "window-short-T3-d96": Case(4, 1, 3, 96, 100, (0, 4), (100, 90), window=70, splits=3),
-    # window longer than the context; head_dim 256 with 16 rows (GQA 8, T = 2), whose combine merges 2 partials
-    # a step (4 with COMBINE_ELEMENTS 16384): 7 splits, 4 steps (2)
+    # window longer than the context; head_dim 256 with 16 rows (GQA 8, T = 2), whose combine merges 4 partials
+    # a step: 7 splits, 2 steps
     "window-long-d256": Case(8, 1, 2, 256, 200, (3,), (200,), window=300, splits=8),
     # 64 rows (GQA 8, T = 8) at head_dim 256: 2 row blocks of 32 per kv head
     "row-blocks-d256": Case(16, 2, 8, 256, 40, (0, 5), (40, 33), splits=2),
@@ -286,7 +286,7 @@ def test_bad_input_names_the_argument(path, changes, error, named):
 
 def check_every_path():
     """The kernel's code paths in two launches (test_configs runs this under every autotune config): bf16 GQA 8
-    with T = 2 and soft-capping, cut into up to 10 splits and combined (4 a step, 8 with COMBINE_ELEMENTS 16384),
+    with T = 2 and soft-capping, cut into up to 10 splits and combined (8 a step: 2 steps at 32 or 64 positions a tile),
     next to a left-padded row; fp32 GQA 3 with T = 3 and a window across splits, next to an empty row."""
     check_case(Case(16, 2, 2, 128, 600, (0, 7), (600, 150), softcap=30.0, splits=10), torch.bfloat16)
     check_case(Case(6, 2, 3, 64, 200, (0, 9), (200, 9), window=90, splits=2), torch.float32)
