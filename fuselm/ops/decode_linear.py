@@ -641,12 +641,12 @@ def _qkv_epilogue_kernel(
     c1, c2, n1, n2 = _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, True,
                                     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd)
     position = _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, True)
+    mask = row_ok[:, None] & ok1[None, :]
     for i in range(group + 2):  # head slots: q heads kv_head * group + i, then k and v head kv_head
         slot = tl.where(i < group, kv_head * group + i, n_heads_q + (i - group) * n_heads_kv + kv_head)
         kind, head, proj_ptr, stride_row = _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
                                                         stride_q, stride_k, stride_v)
         row_base = (proj_ptr + rows * stride_row + head * head_dim)[:, None]
-        mask = row_ok[:, None] & ok1[None, :]
         a1 = tl.load(row_base + d1[None, :], mask=mask, other=0.0).to(tl.float32)
         a2 = tl.load(row_base + half + d1[None, :], mask=mask, other=0.0).to(tl.float32)
         tail_values = tl.load(row_base + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :],
