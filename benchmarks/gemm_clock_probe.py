@@ -29,7 +29,7 @@ import threading
 import time
 
 import torch
-from timing import synchronize
+from timing import once_ms, synchronize
 
 PROJECTIONS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
                "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}
@@ -86,20 +86,6 @@ def sequence(m: int, chunk: int, weights: dict, x: torch.Tensor, h: torch.Tensor
     return run
 
 
-def timed(fn, cuda: bool) -> float:
-    synchronize(cuda)
-    if not cuda:
-        began = time.perf_counter()
-        fn()
-        return (time.perf_counter() - began) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON path")
@@ -136,7 +122,7 @@ def main() -> None:
                     for _ in range(4):
                         run()
                 began = time.time()
-                times.append(timed(run, cuda))
+                times.append(once_ms(run, cuda))
                 if sampler is not None:
                     clocks.append(sampler.between(began, time.time()))
             ms = statistics.median(times)

@@ -127,6 +127,19 @@ def gemm_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
 
 
+def once_ms(fn: Callable[[], object], cuda: bool | None = None) -> float:
+    """Milliseconds of one call of ``fn`` as it comes (no warm-up, no L2 flush), after the GPU's queued work: CUDA
+    events around it on a GPU (``cuda``: None asks torch), the host's clock without one. For probes whose calls
+    must run in a set state (e.g. a GPU idle or hot beforehand), where :func:`median_ms`'s warm-up would change it."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    synchronize(cuda)
+    start = _mark(cuda)
+    fn()
+    end = _mark(cuda)
+    synchronize(cuda)
+    return _elapsed_ms(start, end)
+
+
 def synchronize(cuda: bool | None = None) -> None:
     """Wait for the GPU's queued work (``cuda``: whether there is a GPU; None: ask torch); nothing on a CPU."""
     if torch.cuda.is_available() if cuda is None else cuda:
