@@ -166,18 +166,24 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
 def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
-                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
 
     Without a norm: x, and the sum unchanged. With one: x * (norm weight + offset) rounded once to the operand
     dtype, and the sum plus this tile's squares; RMSNorm's per-row factor rstd commutes with the dot, so
     :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
-                mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
+    if EVEN_K:  # every K tile whole: no column mask
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                    mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
     if HAS_NORM:
         x = x.to(tl.float32)
         sum_of_squares += tl.sum(x * x, axis=1)
-        weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
+        if EVEN_K:
+            weight = tl.load(norm_weight_ptr + cols).to(tl.float32) + offset
+        else:
+            weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
         return _cast(x * weight[None, :], OPERAND_DTYPE), sum_of_squares
     return x.to(OPERAND_DTYPE), sum_of_squares
 
@@ -191,8 +197,11 @@ def _scale_by_rstd(acc, sum_of_squares, n_inner, eps, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner):
-    """The [BLOCK_K, BLOCK_N] transposed tile W[weight_rows, cols].T, ready for tl.dot(x_tile, w_tile)."""
+def _weight_tile(w_ptr, weight_rows, rows_ok, cols, stride_wn, n_inner, WHOLE: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] transposed tile W[weight_rows, cols].T, ready for tl.dot(x_tile, w_tile); WHOLE: every
+    row exists and every column is below n_inner (no mask)."""
+    if WHOLE:
+        return tl.load(w_ptr + weight_rows[None, :] * stride_wn + cols[:, None])
     return tl.load(w_ptr + weight_rows[None, :] * stride_wn + cols[:, None],
                    mask=rows_ok[None, :] & (cols[:, None] < n_inner), other=0.0)
 
@@ -280,7 +289,7 @@ def _linear_residual_kernel(
     x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
     # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
@@ -299,8 +308,8 @@ def _linear_residual_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
-                             w_ptr.dtype.element_ty)
-        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner), acc)
+                             w_ptr.dtype.element_ty, EVEN_K)
+        acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner, EVEN_K and EVEN_N), acc)
     let_next_kernel_launch(DEPENDENT)
     mask = row_ok[:, None] & col_ok[None, :]
     last = True
@@ -329,7 +338,7 @@ def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
     HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
@@ -348,9 +357,10 @@ def _norm_gated_kernel(
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty)
-        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner), acc_gate)
-        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner), acc_up)
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K)
+        acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner, EVEN_K and EVEN_N),
+                        acc_gate)
+        acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner, EVEN_K and EVEN_N), acc_up)
     let_next_kernel_launch(DEPENDENT)
     acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
     acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
@@ -477,8 +487,8 @@ def _qkv_rope_kernel(
     eps, head_eps, offset,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
     HAS_TAIL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, EVEN_K: tl.constexpr, FULL_HALF: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
@@ -507,11 +517,11 @@ def _qkv_rope_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty)
-        acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner), acc1)
-        acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner), acc2)
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, EVEN_K)
+        acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc1)
+        acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc2)
         if HAS_TAIL:
-            acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner), acc_tail)
+            acc_tail = _dot(x, _weight_tile(w_ptr, rows_tail, tail_ok, cols_k, stride_w, n_inner, False), acc_tail)
     let_next_kernel_launch(DEPENDENT)
     last = True
     if SPLIT_K > 1:
@@ -664,6 +674,14 @@ def _block_rows(n_rows: int) -> int:
     return max(16, triton.next_power_of_2(n_rows))
 
 
+def _whole_tiles(configs: list[triton.Config], n_inner: int, n_out: int) -> dict[str, bool]:
+    """EVEN_K: every config's K chunks (BLOCK_K x SPLIT_K, powers of 2) tile n_inner exactly; EVEN_N: every
+    config's column blocks tile n_out exactly. Then the streaming loops load without masks."""
+    k_step = max(c.kwargs["BLOCK_K"] * c.kwargs.get("SPLIT_K", 1) for c in configs)
+    n_step = max(c.kwargs.get("BLOCK_N", 1) for c in configs)
+    return {"EVEN_K": n_inner % k_step == 0, "EVEN_N": n_out % n_step == 0}
+
+
 def _unit_stride(weight: Tensor) -> Tensor:
     return weight if weight.stride(-1) == 1 else weight.contiguous()
 
@@ -680,7 +698,8 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     _linear_residual_kernel[grid](
         x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows), **dependent_launch(x.device, n_rows))
+        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows),
+        **_whole_tiles(_LINEAR_RESIDUAL_CONFIGS, n_inner, n_out), **dependent_launch(x.device, n_rows))
     return out
 
 
@@ -698,7 +717,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
         HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
-        **dependent_launch(x.device, n_rows))
+        **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out), **dependent_launch(x.device, n_rows))
     return out
 
 
@@ -748,6 +767,8 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
+        EVEN_K=_whole_tiles(_QKV_CONFIGS, x2.shape[1], 0)["EVEN_K"],
+        FULL_HALF=cos.shape[-1] // 2 == _head_blocks(head_dim, cos.shape[-1])["BLOCK_HALF_HEAD"],
         **dependent_launch(x.device, x2.shape[0]))
     return q_out
 

@@ -48,6 +48,11 @@ CASES = {
     "empty-rows": Case(4, 2, 1, 64, 24, (0, 10, 5), (24, 10, 3), splits=2),
     # rows shorter than T: query 0 sits before the row's start (at -1; at 13 < 14) and sees nothing
     "T3-rows-shorter-than-T": Case(4, 2, 3, 64, 16, (0, 14), (2, 16), softcap=5.0, splits=2),
+    # splits of several tiles, a left-padded row whose start is not on a tile boundary, and a partial last tile
+    "decode-many-tiles": Case(8, 2, 1, 128, 300, (0, 37), (300, 290), splits=2),
+    # T = 3 with a window: a split's first tiles are partly outside some rows' windows; a row ending on a tile
+    # boundary, whose last tile holds positions only the later queries see
+    "window-many-tiles-T3": Case(4, 1, 3, 64, 300, (0, 7, 0), (300, 260, 64), window=150, splits=2),
 }
 
 

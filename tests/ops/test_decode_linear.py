@@ -46,13 +46,13 @@ def _rows_input(n_rows, n_inner, dtype, contiguous=True):
 
 
 # ----------------------------------------------------------------------------------- linear_residual
-def _check_linear_residual(n_rows, dtype, has_bias, contiguous=True, leading=(), n_inner=40):
+def _check_linear_residual(n_rows, dtype, has_bias, contiguous=True, leading=(), n_inner=40, n_out=24):
     x = _rows_input(n_rows, n_inner, dtype, contiguous)
     if leading:
         x = x.reshape(*leading, -1, n_inner)
-    weight = randn(24, n_inner, dtype=dtype, scale=0.2)
-    residual = randn(*x.shape[:-1], 24, dtype=dtype)
-    bias = randn(24, dtype=dtype) if has_bias else None
+    weight = randn(n_out, n_inner, dtype=dtype, scale=0.2)
+    residual = randn(*x.shape[:-1], n_out, dtype=dtype)
+    bias = randn(n_out, dtype=dtype) if has_bias else None
     residual_before = residual.clone()
     with torch.no_grad():
         out = fuselm.linear_residual(x, weight, residual, bias)
@@ -117,18 +117,19 @@ def test_linear_residual_keeps_autograd():
 
 
 # ----------------------------------------------------------------------------------- norm_gated_linear
-def _check_norm_gated(n_rows, dtype, activation="silu", packed=False, norm="llama", contiguous=True):
-    x = _rows_input(n_rows, 40, dtype, contiguous)
-    norm_weight = None if norm is None else 1 + 0.1 * randn(40, dtype=dtype)
+def _check_norm_gated(n_rows, dtype, activation="silu", packed=False, norm="llama", contiguous=True, n_inner=40,
+                      n_out=24):
+    x = _rows_input(n_rows, n_inner, dtype, contiguous)
+    norm_weight = None if norm is None else 1 + 0.1 * randn(n_inner, dtype=dtype)
     casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
-    gate_up = randn(48, 40, dtype=dtype, scale=0.3)
-    weights = (gate_up, None) if packed else (gate_up[:24].clone(), gate_up[24:].clone())
+    gate_up = randn(2 * n_out, n_inner, dtype=dtype, scale=0.3)
+    weights = (gate_up, None) if packed else (gate_up[:n_out].clone(), gate_up[n_out:].clone())
     with torch.no_grad():
         out = fuselm.norm_gated_linear(x, norm_weight, 1e-5, *weights, activation=activation, casting=casting,
                                        offset=offset)
     expected = norm_gated_linear_reference(x.double(), _double(norm_weight), 1e-5, *map(_double, weights), activation,
                                            casting, offset)
-    assert out.dtype == dtype and out.shape == (n_rows, 24)
+    assert out.dtype == dtype and out.shape == (n_rows, n_out)
     assert_close(out, expected, dtype)
 
 
@@ -263,6 +264,29 @@ def test_qkv_rope_variants(path, variant, batch, seq_len):
 @pytest.mark.parametrize(("batch", "seq_len"), [(2, 3), (2, 40)])
 def test_qkv_rope_strided_input_and_cache(path, batch, seq_len):
     _check_qkv(batch, seq_len, torch.float32, strided=True, head_norm=True)
+
+
+WHOLE_TILE_CASES = [(kernel, i) for kernel in (decode_linear._linear_residual_kernel, decode_linear._norm_gated_kernel,
+                                               decode_linear._qkv_rope_split) for i in range(len(kernel.configs))]
+
+
+@pytest.mark.parametrize(("kernel", "config"), WHOLE_TILE_CASES,
+                         ids=[f"{k.fn.__name__ if hasattr(k, 'fn') else k}-{i}" for k, i in WHOLE_TILE_CASES])
+def test_whole_tiles_load_without_masks(kernel, config):
+    """Every config at sizes its tiles divide (K = 1024, N = 128, whole rotary halves), where the streaming loops
+    load without masks (EVEN_K, EVEN_N, FULL_HALF), against float64; M = 3 rows still masked to BLOCK_M."""
+    assert decode_linear._whole_tiles(decode_linear._LINEAR_RESIDUAL_CONFIGS, 1024, 128) == {"EVEN_K": True,
+                                                                                             "EVEN_N": True}
+    assert decode_linear._whole_tiles(decode_linear._STREAMING_CONFIGS, 256, 128) == {"EVEN_K": True, "EVEN_N": True}
+    assert decode_linear._whole_tiles(decode_linear._QKV_CONFIGS, 1024, 0)["EVEN_K"]
+    torch.manual_seed(config)
+    with fuselm.use_backend("triton"), forced_config(kernel, config):
+        if kernel is decode_linear._linear_residual_kernel:
+            _check_linear_residual(3, torch.float32, True, n_inner=1024, n_out=128)
+        elif kernel is decode_linear._norm_gated_kernel:
+            _check_norm_gated(3, torch.float32, n_inner=256, n_out=128)
+        else:
+            _check_qkv(3, 1, torch.float32, num_heads=2, head_dim=128, hidden=1024)
 
 
 # ----------------------------------------------------------------------------------- bad input
