@@ -674,12 +674,15 @@ def _block_rows(n_rows: int) -> int:
     return max(16, triton.next_power_of_2(n_rows))
 
 
+def _even_k(configs: list[triton.Config], n_inner: int) -> bool:
+    """Whether every config's K chunks (BLOCK_K x SPLIT_K, powers of 2) tile n_inner exactly: the streaming loops
+    then load x and W without a column mask."""
+    return n_inner % max(c.kwargs["BLOCK_K"] * c.kwargs.get("SPLIT_K", 1) for c in configs) == 0
+
+
 def _whole_tiles(configs: list[triton.Config], n_inner: int, n_out: int) -> dict[str, bool]:
-    """EVEN_K: every config's K chunks (BLOCK_K x SPLIT_K, powers of 2) tile n_inner exactly; EVEN_N: every
-    config's column blocks tile n_out exactly. Then the streaming loops load without masks."""
-    k_step = max(c.kwargs["BLOCK_K"] * c.kwargs.get("SPLIT_K", 1) for c in configs)
-    n_step = max(c.kwargs.get("BLOCK_N", 1) for c in configs)
-    return {"EVEN_K": n_inner % k_step == 0, "EVEN_N": n_out % n_step == 0}
+    """EVEN_K (:func:`_even_k`) and EVEN_N: every config's column blocks tile n_out exactly (no row mask on W)."""
+    return {"EVEN_K": _even_k(configs, n_inner), "EVEN_N": n_out % max(c.kwargs["BLOCK_N"] for c in configs) == 0}
 
 
 def _unit_stride(weight: Tensor) -> Tensor:
@@ -757,6 +760,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
                         new_output((MAX_SPLIT_K, slots * _QKV_MAX_SPLIT, x2.shape[0]), torch.float32, x.device))
     tickets = zeroed_counters(x.device, slots * _QKV_MAX_SPLIT)
     grid = lambda meta: (slots * meta["SPLIT"], meta["SPLIT_K"])  # noqa: E731
+    head_blocks = _head_blocks(head_dim, cos.shape[-1])
     biases = [b.contiguous() if b is not None else weights[0] for b in (q_bias, k_bias, v_bias)]
     head_norms = [w.contiguous() if w is not None else x2 for w in (q_norm_weight, k_norm_weight)]
     kernel[grid](
@@ -766,9 +770,8 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         x2.stride(0), *(w.stride(0) for w in weights),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
-        CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **_head_blocks(head_dim, cos.shape[-1]),
-        EVEN_K=_whole_tiles(_QKV_CONFIGS, x2.shape[1], 0)["EVEN_K"],
-        FULL_HALF=cos.shape[-1] // 2 == _head_blocks(head_dim, cos.shape[-1])["BLOCK_HALF_HEAD"],
+        CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **head_blocks,
+        EVEN_K=_even_k(_QKV_CONFIGS, x2.shape[1]), FULL_HALF=cos.shape[-1] // 2 == head_blocks["BLOCK_HALF_HEAD"],
         **dependent_launch(x.device, x2.shape[0]))
     return q_out
 

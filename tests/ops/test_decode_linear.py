@@ -278,7 +278,11 @@ def test_whole_tiles_load_without_masks(kernel, config):
     assert decode_linear._whole_tiles(decode_linear._LINEAR_RESIDUAL_CONFIGS, 1024, 128) == {"EVEN_K": True,
                                                                                              "EVEN_N": True}
     assert decode_linear._whole_tiles(decode_linear._STREAMING_CONFIGS, 256, 128) == {"EVEN_K": True, "EVEN_N": True}
-    assert decode_linear._whole_tiles(decode_linear._QKV_CONFIGS, 1024, 0)["EVEN_K"]
+    assert decode_linear._even_k(decode_linear._QKV_CONFIGS, 1024)
+    # the other tests' odd sizes (K = 40 or 1100, N = 24) keep the masked loads
+    assert decode_linear._whole_tiles(decode_linear._LINEAR_RESIDUAL_CONFIGS, 1100, 24) == {"EVEN_K": False,
+                                                                                            "EVEN_N": False}
+    assert not decode_linear._even_k(decode_linear._QKV_CONFIGS, 40)
     torch.manual_seed(config)
     with fuselm.use_backend("triton"), forced_config(kernel, config):
         if kernel is decode_linear._linear_residual_kernel:
