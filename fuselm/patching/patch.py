@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from torch import nn
 
 from fuselm.backend import path_name
+from fuselm.ops.attention import HEAD_DIMS
 from fuselm.patching.classes import ORIGINAL
-from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks
+from fuselm.patching.decode import ATTENTION_FACTS, decode_fallbacks, layer_facts
 from fuselm.patching.families import family_of
 from fuselm.patching.modules import NEXT_NORM, SHARES_INPUT_WITH, FusedDecoderLayer, FusedLoraLinear
 from fuselm.patching.recognise import Recogniser, kind_of
@@ -98,7 +99,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     _link_shared_inputs(model)
     parameter = next(model.parameters(), None)
     ops_path = path_name(parameter.device) if parameter is not None else path_name("cpu")
-    return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model))
+    return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model), _decode_unfused(model))
 
 
 def _decode_module_calls(model: nn.Module) -> dict[str, int]:
@@ -109,6 +110,22 @@ def _decode_module_calls(model: nn.Module) -> dict[str, int]:
             for name in decode_fallbacks(module):
                 calls[name] = calls.get(name, 0) + 1
     return calls
+
+
+def _decode_unfused(model: nn.Module) -> dict[str, int]:
+    """Per reason, how many fused decoder layers' decode steps run HF's attention instead of the fused kernels."""
+    reasons: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, FusedDecoderLayer):
+            facts = layer_facts(module)
+            if facts is None:
+                reason = "its attention's config or layer index cannot be read"
+            elif facts.head_dim not in HEAD_DIMS:
+                reason = f"head_dim {facts.head_dim} is not one decode attention supports {HEAD_DIMS}"
+            else:
+                continue
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return reasons
 
 
 def unpatch(model: nn.Module) -> int:

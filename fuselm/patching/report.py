@@ -29,6 +29,8 @@ class PatchReport:
     # projection name (or self_attn) -> fused decoder layers whose decode step calls it as a module (LoRA,
     # quantised, hooked)
     decode_module_calls: dict[str, int] = field(default_factory=dict)
+    # reason -> fused decoder layers whose decode step cannot run the fused kernels (HF's attention runs instead)
+    decode_unfused: dict[str, int] = field(default_factory=dict)
 
     def __getitem__(self, kind: str) -> KindReport:
         return self.kinds[kind]
@@ -50,7 +52,12 @@ class PatchReport:
             lines.append("  nothing patched")
         layers = self.kinds.get("decoder_layer")
         if layers is not None and layers.patched:
-            lines.append(f"  {'decode step:':<{width}} fused kernels over fuselm's KV cache (FusedKVCache)")
+            how = ("HF's attention over fuselm's KV cache, no fused kernels"
+                   if sum(self.decode_unfused.values()) >= layers.patched
+                   else "fused kernels over fuselm's KV cache (FusedKVCache)")
+            lines.append(f"  {'decode step:':<{width}} {how}")
+            lines += [f"  {'':<{width}}   {n} × layer runs HF's attention: {reason}"
+                      for reason, n in self.decode_unfused.items()]
             lines += [f"  {'':<{width}}   {n} × {name} runs as its module (hooked, or not a plain nn.Linear: LoRA, "
                       "quantised)" for name, n in self.decode_module_calls.items()]
         return "\n".join(lines)

@@ -57,7 +57,9 @@ def test_report_says_per_kind_what_was_left_alone_and_why():
         "                   2 × hidden_act 'relu' has no fused kernel",
         "  decoder_layer: 2/2",
         "  loss:          1/1",
-        "  decode step:   fused kernels over fuselm's KV cache (FusedKVCache)",
+        "  decode step:   HF's attention over fuselm's KV cache, no fused kernels",  # the tiny Llama's head_dim is 24
+        "                   2 × layer runs HF's attention: head_dim 24 is not one decode attention supports "
+        "(64, 80, 96, 128, 256)",
     ])
     assert rel_err(logits(model), expected) <= 1e-6
 

@@ -200,6 +200,24 @@ def test_hooked_projection_runs_as_its_module():
     assert len(calls) == NEW
 
 
+def test_unsupported_head_dim_runs_hf_attention_and_says_so():
+    """A head_dim decode attention does not support (the tiny Llama's 24): the report says its layers' decode steps
+    run HF's attention, the fused step never runs, and the tokens and logits equal the unpatched model's."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids, mask = left_padded(9)
+    expected, expected_logits = generate(model, ids, mask, new_cache(model, mask))
+    with (fuselm.patched(model) as report,
+          mock.patch.object(decode, "decode_step", wraps=decode.decode_step) as step):
+        assert report.decode_unfused == {"head_dim 24 is not one decode attention supports (64, 80, 96, 128, 256)": 2}
+        assert "HF's attention over fuselm's KV cache, no fused kernels" in str(report)
+        tokens, logits = generate(model, ids, mask, new_cache(model, mask))
+    assert step.call_count == 0
+    assert torch.equal(tokens, expected)
+    for got, want in zip(logits, expected_logits):
+        assert rel_err(got, want) <= 1e-5
+
+
 def test_hooked_attention_module_runs_through_hf(path):
     """A hook on a layer's attention module: that layer calls the module in the prefill and in every decode step
     (the hook runs each time, through HF's attention over the same cache), the other layers run fused, and the

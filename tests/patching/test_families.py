@@ -6,7 +6,7 @@ import torch
 
 import fuselm
 from tests.helpers import rel_err
-from tests.models import FUSED_LAYERS, tiny_model, token_ids
+from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
 
 
 def loss_logits_grads(model, ids):
@@ -37,7 +37,7 @@ NORMS = {"qwen3": 9, "gemma2": 9, "gemma3": 13}
 
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_every_module_of_a_listed_family_is_patched(name):
-    report = fuselm.patch(tiny_model(name))
+    report = fuselm.patch(decode_model(name))  # a head_dim decode attention supports: the fused decode step
     counts = {kind: (entry.patched, entry.total) for kind, entry in report.kinds.items()}
     norms = NORMS.get(name, 5)
     assert counts == {"rms_norm": (norms, norms), "rope": (2, 2), "mlp": (2, 2), "lora": (0, 0),
