@@ -13,6 +13,7 @@ gradient checkpointing keeps working.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 from torch import nn
@@ -99,33 +100,25 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     _link_shared_inputs(model)
     parameter = next(model.parameters(), None)
     ops_path = path_name(parameter.device) if parameter is not None else path_name("cpu")
-    return PatchReport(type(model).__name__, ops_path, kinds, _decode_module_calls(model), _decode_unfused(model))
+    return PatchReport(type(model).__name__, ops_path, kinds, *_decode_paths(model))
 
 
-def _decode_module_calls(model: nn.Module) -> dict[str, int]:
-    """Per projection name, how many fused layers' decode steps call it as a module (not a plain linear) now."""
-    calls: dict[str, int] = {}
+def _decode_paths(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
+    """What the fused layers' decode steps run now: per projection name, how many call it as a module (not a plain
+    linear); per reason, how many cannot run the fused kernels at all (HF's attention runs instead)."""
+    calls: Counter[str] = Counter()
+    unfused: Counter[str] = Counter()
     for module in model.modules():
-        if isinstance(module, FusedDecoderLayer):
-            for name in decode_fallbacks(module):
-                calls[name] = calls.get(name, 0) + 1
-    return calls
-
-
-def _decode_unfused(model: nn.Module) -> dict[str, int]:
-    """Per reason, how many fused decoder layers' decode steps run HF's attention instead of the fused kernels."""
-    reasons: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, FusedDecoderLayer):
-            facts = layer_facts(module)
-            if facts is None:
-                reason = "its attention's config or layer index cannot be read"
-            elif facts.head_dim not in HEAD_DIMS:
-                reason = f"head_dim {facts.head_dim} is not one decode attention supports {HEAD_DIMS}"
-            else:
-                continue
-            reasons[reason] = reasons.get(reason, 0) + 1
-    return reasons
+        if not isinstance(module, FusedDecoderLayer):
+            continue
+        facts = layer_facts(module)
+        if facts is None:
+            unfused["its attention's config or layer index cannot be read"] += 1
+        elif facts.head_dim not in HEAD_DIMS:
+            unfused[f"head_dim {facts.head_dim} is not one decode attention supports {HEAD_DIMS}"] += 1
+        else:
+            calls.update(decode_fallbacks(module))
+    return dict(calls), dict(unfused)
 
 
 def unpatch(model: nn.Module) -> int:
