@@ -8,7 +8,8 @@ Rows (``benchmarks/results/e2e-h200.json``):
 - ``generate``: tok/s = batch x new / the median time of whole ``generate`` calls (prompt, prefill included),
   with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``; and
   ``first_token_ms`` (the same prompt's call with one new token: its prefill) and ``decode_tok_per_s``, the rate of
-  the decode steps alone: batch x (new - 1) / (call time - first_token_ms);
+  the decode steps alone: batch x (new - 1) / (call time - first_token_ms); and ``clocks`` (CUDA): nvidia-smi's SM
+  clock, power and throttle reasons sampled over the timed calls (the H200 and H100 cap power at 700 W);
 - ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1, the same prompt length
   each call (fuselm's engine replays a captured prefill from a length's third call, up to 4096 tokens);
 - ``prefill_eager`` (fuselm's impls): the same with prefill graphs off, as the first call of a prompt length runs;
@@ -51,7 +52,7 @@ import peft
 import torch
 import transformers
 import triton
-from timing import copy_gbps, median_ms, synchronize
+from timing import ClockSampler, copy_gbps, median_ms, synchronize
 from training import SETUP, adamw_step, issue_ms, lora_model, peak_gib
 from training import build as build_base
 
@@ -127,7 +128,9 @@ def launches_per_layer(impl: str, batch: int, smoke: bool) -> float:
     return (counts[0] - counts[1]) / 2
 
 
-def measure(model, impl: str, args, rows: list, copy: float) -> None:
+def measure(model, impl: str, args, rows: list, copy: float, sampler: ClockSampler | None = None) -> None:
+    """The impl's first-call, generate and prefill rows; a generate row's ``clocks`` are nvidia-smi's samples over
+    its timed calls (SM MHz, watts, throttle reasons), with ``sampler``."""
     vocab = model.config.vocab_size
     tokens = torch.Generator().manual_seed(0)
     timed = dict(warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)  # calls of a second or more
@@ -147,7 +150,9 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
         if args.profile_first_call:
             print(f"{impl} B{batch} first call under cProfile, top functions by cumulative s:", flush=True)
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        began = time.time()
         ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, args.new), **timed)
+        clocks = sampler.between(began, time.time()) if sampler is not None else None
         tok_s = batch * args.new / (ms / 1e3)
         steps_s = args.new / (ms / 1e3)
         moved = step_bytes(model, batch, args.prompt + args.new // 2)
@@ -155,9 +160,10 @@ def measure(model, impl: str, args, rows: list, copy: float) -> None:
                      "tok_per_s": tok_s, "gbps": moved * steps_s / 1e9, "copy_fraction": moved * steps_s / 1e9 / copy,
                      "bytes_per_step": moved,
                      "formula": f"gbps = (weights {step_bytes(model, batch, 0) / 1e9:.2f} GB + KV at mean context "
-                                f"{args.prompt + args.new // 2}) x steps/s; steps/s = new / call time"})
+                                f"{args.prompt + args.new // 2}) x steps/s; steps/s = new / call time"}
+                    | ({"clocks": clocks} if clocks else {}))
         print(f"{impl:>20} B{batch:<3} generate {tok_s:8.1f} tok/s ({moved * steps_s / 1e9:6.0f} GB/s, "
-              f"{moved * steps_s / 1e9 / copy:.0%} of copy)", flush=True)
+              f"{moved * steps_s / 1e9 / copy:.0%} of copy)" + (f", clocks {clocks}" if clocks else ""), flush=True)
         if args.new > 1:  # the same prompt with one new token: the call's prefill, and the decode steps' share
             first_ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
             decode_tok_s = batch * (args.new - 1) / ((ms - first_ms) / 1e3)
@@ -324,13 +330,14 @@ def generation(args, rows: list, save, copy: float) -> None:
     """The generate, prefill, first-call and launch rows, every impl in this process (Liger last)."""
     cuda = torch.cuda.is_available()
     model = build(args.layers, args.smoke)
+    sampler = ClockSampler() if cuda else None
     # the unpatched impls first (fuselm.patch stays on the model), then the fuselm impls in the order asked
     order = ([i for i in ("eager", "compile_static") if i in args.impls]
              + [i for i in args.impls if i in ("fuselm.generate", "fuselm+hf_generate")])
     for impl in order:
         if impl.startswith("fuselm"):
             fuselm.patch(model)
-        measure(model, impl, args, rows, copy)
+        measure(model, impl, args, rows, copy, sampler)
         save()
     del model
     gc.collect()
@@ -352,10 +359,12 @@ def generation(args, rows: list, save, copy: float) -> None:
                 torch.cuda.empty_cache()
             model = build(args.layers, args.smoke)
             apply_liger_kernel_to_llama(model=model)
-            measure(model, "liger", args, rows, copy)
+            measure(model, "liger", args, rows, copy, sampler)
             save()
             del model
             gc.collect()
+    if sampler is not None:
+        sampler.stop()
 
 
 def main() -> None:

@@ -24,57 +24,14 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
-import threading
 import time
 
 import torch
-from timing import once_ms, synchronize
+from timing import ClockSampler, once_ms, synchronize
 
 PROJECTIONS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
                "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}
 LAYERS = 32
-SMI_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
-
-
-class ClockSampler:
-    """``nvidia-smi`` every 50 ms in the background; :meth:`between` returns the samples taken in a host-time span."""
-
-    def __init__(self):
-        self.samples: list[tuple[float, str]] = []
-        try:
-            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader",
-                                             "-lms", "50"], stdout=subprocess.PIPE, text=True)
-        except FileNotFoundError:
-            self.process = None
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.samples.append((time.time(), line.strip()))
-
-    def between(self, start: float, end: float) -> dict:
-        lines = [line for t, line in self.samples if start <= t <= end]
-        clocks, watts, reasons = [], [], set()
-        for line in lines:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                clocks.append(float(parts[0].split()[0]))
-                watts.append(float(parts[1].split()[0]))
-            except (ValueError, IndexError):
-                continue
-            reasons.add(parts[2] if len(parts) > 2 else "?")
-        if not clocks:
-            return {"samples": 0}
-        return {"samples": len(clocks), "sm_mhz_min": min(clocks), "sm_mhz_median": statistics.median(clocks),
-                "watts_max": max(watts), "watts_median": statistics.median(watts), "throttle": sorted(reasons)}
-
-    def stop(self):
-        if self.process is not None:
-            self.process.terminate()
-
-
 def sequence(m: int, chunk: int, weights: dict, x: torch.Tensor, h: torch.Tensor, outs: dict, layers: int):
     """The projections of ``layers`` layers over ``m`` rows, each as cuBLAS calls of ``chunk`` rows."""
     def run():

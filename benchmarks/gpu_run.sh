@@ -10,7 +10,8 @@
 # (sdpa_layout_probe.py), (FUSELM_TTFT=1) a prefill call's time by host and kernels (ttft_probe.py; FUSELM_TTFT_ARGS
 # go to it, e.g. "--grow-to 8192") and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
-# "--only attention --sweep-splits 1 2 3 4"); prints a short table last.
+# "--only attention --sweep-splits 1 2 3 4") and (FUSELM_GEMM=1) the prefill GEMMs' rate by M and by clocks
+# (gemm_clock_probe.py); prints a short table last. FUSELM_REQUIRE=H200 exits 3 at once on any GPU whose name lacks it.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/. The device tool brings back at most 8
 # files: with $OUT set and more files than that in it, they go into $OUT/results.tgz as the script exits (on SIGINT or
@@ -26,6 +27,10 @@ pack() {
 }
 trap pack EXIT
 trap 'exit 130' INT TERM
+if [ -n "${FUSELM_REQUIRE:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$FUSELM_REQUIRE"; then
+  echo "FUSELM_REQUIRE=$FUSELM_REQUIRE: this is $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  exit 3
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels, e.g. liger-kernel for the comparison
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -99,4 +104,7 @@ if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a prefill call's time goes, in a f
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
+fi
+if [ "${FUSELM_GEMM:-0}" = 1 ]; then
+  python3 benchmarks/gemm_clock_probe.py --out "$out/gemm-clock-probe-h200.json" 2>&1 | tee "$out/gemm-clock.log" | tail -n 8
 fi

@@ -10,6 +10,8 @@ One rule for every benchmark script (kernels, end to end, decode), so their figu
 - :func:`copy_gbps`, :func:`gemm_tflops`: the two ceilings a figure is compared with, measured in the
   same run as the figure: device-to-device copy bandwidth (bytes read + written) and the bf16 GEMM rate;
   :func:`copy_ms`: a copy moving a given number of bytes, the reference for a memory-bound kernel.
+- :class:`ClockSampler`: the SM clock, power draw and throttle reasons (``nvidia-smi`` every 50 ms) during a
+  timed span, since a figure under the power cap is not one at full clocks.
 
 Import it from a script in benchmarks/ (``python benchmarks/<script>.py`` puts benchmarks/ first on
 sys.path): ``from timing import median_ms``.
@@ -18,6 +20,8 @@ sys.path): ``from timing import median_ms``.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -160,3 +164,44 @@ def _elapsed_ms(start: torch.cuda.Event | float, end: torch.cuda.Event | float) 
     if isinstance(start, float):
         return (end - start) * 1e3
     return start.elapsed_time(end)
+
+
+SMI_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+class ClockSampler:
+    """``nvidia-smi`` every 50 ms in the background; :meth:`between` returns the samples taken in a host-time span."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, str]] = []
+        try:
+            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader",
+                                             "-lms", "50"], stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:
+            self.process = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.samples.append((time.time(), line.strip()))
+
+    def between(self, start: float, end: float) -> dict:
+        lines = [line for t, line in self.samples if start <= t <= end]
+        clocks, watts, reasons = [], [], set()
+        for line in lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                clocks.append(float(parts[0].split()[0]))
+                watts.append(float(parts[1].split()[0]))
+            except (ValueError, IndexError):
+                continue
+            reasons.add(parts[2] if len(parts) > 2 else "?")
+        if not clocks:
+            return {"samples": 0}
+        return {"samples": len(clocks), "sm_mhz_min": min(clocks), "sm_mhz_median": statistics.median(clocks),
+                "watts_max": max(watts), "watts_median": statistics.median(watts), "throttle": sorted(reasons)}
+
+    def stop(self):
+        if self.process is not None:
+            self.process.terminate()
