@@ -27,7 +27,8 @@ same context. Implementations:
 - ``hf_compile``: the same under ``torch.compile(layer)`` (default mode, compiled before timing);
 - ``hf_fuselm_ops``: the patched layer with HF's ``StaticCache``: cuBLAS + SDPA + fuselm's elementwise ops.
 
-Every cache holds the same random K/V. ``kernels``: CUDA kernels of one eager step (torch.profiler; the length
+Every cache holds the same random K/V. ``clocks`` (CUDA): nvidia-smi's SM clock, power and throttle reasons
+sampled over a row's timed replays. ``kernels``: CUDA kernels of one eager step (torch.profiler; the length
 reset is outside the profiled step), memcpy/memset counted apart.
 """
 
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 import triton
-from timing import GB, captured, copy_gbps, median_ms
+from timing import GB, ClockSampler, captured, copy_gbps, median_ms
 from transformers import LlamaConfig, StaticCache
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import (
@@ -206,9 +207,10 @@ def layer_step_bytes(layer: torch.nn.Module, config: LlamaConfig, batch: int, co
             "activations": 2 * batch * config.hidden_size * item}
 
 
-def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
-                    impls: tuple[str, ...] = IMPLS) -> tuple[list[dict], str]:
-    """The layer-step rows (every impl at each shape) and fuselm.patch's report on the layer."""
+def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, impls: tuple[str, ...] = IMPLS,
+                    sampler: ClockSampler | None = None) -> tuple[list[dict], str]:
+    """The layer-step rows (every impl at each shape) and fuselm.patch's report on the layer; with ``sampler``, each
+    row's ``clocks``: nvidia-smi's SM clock, power and throttle reasons over its timed replays."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = llama_config(smoke)
     layer = new_layer(config, device, LAYER_STEP_INDEX)
@@ -247,8 +249,11 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
                     replayed()  # compiles (hf_compile), autotunes (fuselm), and is the output checked
                     out = held["out"].clone()
                     replay = captured(replayed)
+                    began = time.time()
                     us = median_ms(replay) * 1e3
                     us_steady = median_ms(replay, flush_l2=False) * 1e3
+                    if sampler is not None:
+                        row["clocks"] = sampler.between(began, time.time())
                     row.update(count_kernels(step, reset))
                 outputs[impl] = out
                 bound_us, bound_steady_us = total / (copy * GB) * 1e6, total / (copy_steady * GB) * 1e6
@@ -270,7 +275,8 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False,
             rows.append(row)
             detail = row.get("error") or (f"{row['us']:9.1f} us  {row['pct_of_bound']:5.1f} % of bound  "
                                           f"(back to back {row['us_steady']:.1f} us, {row['pct_of_bound_steady']:.1f} "
-                                          f"%)  {row.get('kernels', '-')} kernels   {row['formula']}")
+                                          f"%)  {row.get('kernels', '-')} kernels   {row['formula']}"
+                                          + (f"  clocks {row['clocks']}" if row.get("clocks") else ""))
             print(f"  layer_step {impl:<14} B={batch:<3} context={context:<5} {detail}", flush=True)
         if "hf_eager" in outputs:  # same weights, inputs and cache contents: the outputs compare
             reference = outputs["hf_eager"].float()
@@ -450,7 +456,11 @@ def main() -> None:
             elif what == "prefill_layer":
                 rows += prefill_layer_rows(copy, smoke=args.smoke)
             else:
-                layer_rows, report = layer_step_rows(copy, copy_steady, smoke=args.smoke, impls=tuple(args.impls))
+                sampler = ClockSampler() if torch.cuda.is_available() else None
+                layer_rows, report = layer_step_rows(copy, copy_steady, smoke=args.smoke, impls=tuple(args.impls),
+                                                     sampler=sampler)
+                if sampler is not None:
+                    sampler.stop()
                 rows += layer_rows
             seconds[what] = round(time.perf_counter() - began, 1)
     results = {
