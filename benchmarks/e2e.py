@@ -13,6 +13,10 @@ Rows (``benchmarks/results/e2e-h200.json``):
 - ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1, the same prompt length
   each call (fuselm's engine replays a captured prefill from a length's third call, up to 4096 tokens);
 - ``prefill_eager`` (fuselm's impls): the same with prefill graphs off, as the first call of a prompt length runs;
+- ``prefill_after_idle``: the ``prefill`` call again, each after ``--prefill-idle-s`` with the GPU idle (as an
+  interactive user's prompt finds it), the median of single calls: the ``prefill`` rows run back to back after the
+  generate rows, on a GPU under its power cap, whose clocks fall under sustained GEMMs (``gemm_clock_probe.py``);
+  the prefill rows carry their ``clocks`` too;
 - ``first_call_s``: the first call of a batch bucket (fuselm: warm-up, autotune, capture; compile_static: its
   compilation), s; with an empty Triton cache (``--no-cold-triton-cache`` keeps the one found) and inductor's caches
   off (gpu_run.sh), so the fuselm rows include compiling the kernels' configs;
@@ -42,6 +46,7 @@ import gc
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +57,7 @@ import peft
 import torch
 import transformers
 import triton
-from timing import ClockSampler, copy_gbps, median_ms, synchronize
+from timing import ClockSampler, copy_gbps, median_ms, once_ms, synchronize
 from training import SETUP, adamw_step, issue_ms, lora_model, peak_gib
 from training import build as build_base
 
@@ -174,14 +179,32 @@ def measure(model, impl: str, args, rows: list, copy: float, sampler: ClockSampl
                   f"tok/s", flush=True)
     for prefill in args.prefills:
         prompt = torch.randint(3, vocab, (1, prefill), generator=tokens).to(model.device)
+        began = time.time()
         ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
-        rows.append({"what": "prefill", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms})
-        print(f"{impl:>20} prefill B1x{prefill}: {ms:.1f} ms", flush=True)
+        clocks = sampler.between(began, time.time()) if sampler is not None else None
+        rows.append({"what": "prefill", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms}
+                    | ({"clocks": clocks} if clocks else {}))
+        print(f"{impl:>20} prefill B1x{prefill}: {ms:.1f} ms" + (f", clocks {clocks}" if clocks else ""), flush=True)
         if impl.startswith("fuselm"):
             with eager_prefills():
                 ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, 1), **timed)
             rows.append({"what": "prefill_eager", "impl": impl, "batch": 1, "prompt": prefill, "new": 1, "ms": ms})
             print(f"{impl:>20} prefill B1x{prefill}, eager: {ms:.1f} ms", flush=True)
+        if args.prefill_idle_s > 0:  # as an interactive user's prompt finds the GPU: idle, at full clocks
+            idle_s = args.prefill_idle_s if torch.cuda.is_available() else 0.0
+            times, clocks = [], []
+            for _ in range(args.repeats):
+                synchronize()
+                time.sleep(idle_s)
+                began = time.time()
+                times.append(once_ms(lambda prompt=prompt: call(model, impl, prompt, 1)))
+                if sampler is not None:
+                    clocks.append(sampler.between(began, time.time()))
+            ms = statistics.median(times)
+            rows.append({"what": "prefill_after_idle", "impl": impl, "batch": 1, "prompt": prefill, "new": 1,
+                         "ms": ms, "ms_all": times, "idle_s": idle_s} | ({"clocks": clocks} if clocks else {}))
+            print(f"{impl:>20} prefill B1x{prefill} after {idle_s:.1f} s idle: {ms:.1f} ms"
+                  + (f", clocks {clocks[-1]}" if clocks else ""), flush=True)
 
 
 @contextlib.contextmanager
@@ -375,6 +398,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prefills", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-idle-s", type=float, default=1.0,
+                        help="the prefill_after_idle rows: each call after this long with the GPU idle (0: no rows)")
     parser.add_argument("--impls", nargs="+", default=["fuselm.generate", "fuselm+hf_generate", "eager",
                                                         "compile_static", "liger"])
     parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,

@@ -136,6 +136,9 @@ def generate_section(results: dict) -> list[str]:
     for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill"}):
         lines.append(f"| time to first token B1×{prompt}, ms | "
                      + " | ".join(cell("prefill", i, 1, prompt) for i in impls) + " |")
+    for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill_after_idle"}):
+        lines.append(f"| time to first token B1×{prompt}, after the GPU idled, ms | "
+                     + " | ".join(cell("prefill_after_idle", i, 1, prompt) for i in impls) + " |")
     for prompt in sorted({r["prompt"] for r in rows if r["what"] == "prefill_eager"}):
         lines.append(f"| time to first token B1×{prompt}, a new prompt length (eager prefill), ms | "
                      + " | ".join(cell("prefill_eager", i, 1, prompt) for i in impls) + " |")
@@ -151,7 +154,11 @@ def generate_section(results: dict) -> list[str]:
                        "/ (call time − first token). " if any("decode_tok_per_s" in r for r in rows) else "")
                     + ("Time to first token: one prompt length called again and again (fuselm replays its captured "
                        "prefill from the third call, up to 4096 tokens); a new length's first call prefills eagerly. "
-                       if any(r["what"] == "prefill_eager" for r in rows) else "") +
+                       if any(r["what"] == "prefill_eager" for r in rows) else "")
+                    + (f"After the GPU idled: the same call, each after {idle[0]['idle_s']:g} s with the GPU idle, the "
+                       "median of single calls; the rows above it run back to back, on a GPU whose power cap may have "
+                       "lowered its clocks. " if (idle := [r for r in rows if r["what"] == "prefill_after_idle"])
+                       else "") +
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step. "
                     f"First calls: Triton cache {results.get('triton_cache', 'as found')}; fuselm's tuning table "
                     f"{results.get('tuning_table', 'none (before tables)')}."]

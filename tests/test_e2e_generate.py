@@ -1,5 +1,6 @@
 """benchmarks/e2e.py's generation rows in smoke mode (a tiny fp32 model, CPU): a fuselm impl's prefill rows come
-twice, replayed-length and eager, and the eager ones run with prefill graphs off."""
+twice, replayed-length and eager, and the eager ones run with prefill graphs off; every impl's prefill comes once more
+as single calls after the GPU idled (no wait without a GPU)."""
 
 from types import SimpleNamespace
 
@@ -14,7 +15,8 @@ def e2e(monkeypatch):
     return benchmark_script("e2e", monkeypatch)
 
 
-ARGS = SimpleNamespace(batches=[2], prompt=12, new=3, repeats=1, prefills=[20], profile_first_call=False)
+ARGS = SimpleNamespace(batches=[2], prompt=12, new=3, repeats=1, prefills=[20], profile_first_call=False,
+                       prefill_idle_s=1.0)
 
 
 @pytest.mark.parametrize("impl", ["fuselm.generate", "eager"])
@@ -27,10 +29,12 @@ def test_generate_and_prefill_rows(e2e, impl):
     rows: list[dict] = []
     e2e.measure(model, impl, ARGS, rows, copy=1000.0)
     kinds = [(row["what"], row["batch"], row["prompt"]) for row in rows]
-    prefills = [("prefill", 1, 20)] + ([("prefill_eager", 1, 20)] if impl == "fuselm.generate" else [])
+    prefills = ([("prefill", 1, 20)] + ([("prefill_eager", 1, 20)] if impl == "fuselm.generate" else [])
+                + [("prefill_after_idle", 1, 20)])
     assert kinds == [("first_call_s", 2, 12), ("generate", 2, 12), *prefills]
     assert all(row["impl"] == impl for row in rows)
     assert rows[1]["tok_per_s"] > 0 and all(row["ms"] > 0 for row in rows[2:])
+    assert rows[-1]["idle_s"] == 0.0 and len(rows[-1]["ms_all"]) == ARGS.repeats
     # the decode steps' rate: the call less its first token's call (the same prompt, one new token)
     generate = rows[1]
     assert generate["first_token_ms"] > 0
