@@ -9,7 +9,9 @@ flush (the sets already leave nothing in L2; consecutive decode kernels pay no f
 replay time per call taken over ``--rep-ms``; the fastest is the pick. qkv_rope is tuned twice: with the benchmarks'
 fp32 cos/sin and int64 positions, and with the bf16 cos/sin and int32 positions of ``fuselm.generate`` (another key).
 Writes ``{"gpu", ..., "autotune_picks"}`` (the keys' picks, with every config's time) for
-``benchmarks/tuning_table.py``.
+``benchmarks/tuning_table.py``. ``--warmup-ms``: replays of each config before its timed ones; a long warm-up (a second
+or more) times it as a sustained decode runs, after the GPU's power cap has set its clocks for that config's own draw
+(each config's ``clocks``: nvidia-smi's SM clock, power and throttle reasons over its warm-up and timed replays).
 
     python benchmarks/tune_decode.py --out benchmarks/results/tune-decode-h200.json
 """
@@ -20,11 +22,12 @@ import argparse
 import datetime
 import json
 import math
+import time
 
 import torch
 import triton
 from decode_linear_bench import LLAMA3_8B, ROWS, gate_up_projection, input_sets, qkv_projection, residual_projection
-from timing import captured, median_ms
+from timing import ClockSampler, captured, median_ms
 
 import fuselm
 from fuselm.ops import _common, decode_linear
@@ -46,7 +49,8 @@ def cases(m: int) -> list[tuple[object, object, str]]:
     return chosen
 
 
-def tune(tuner, projection, impl: str, rep_ms: float) -> dict | None:
+def tune(tuner, projection, impl: str, rep_ms: float, warmup_ms: float = 50.0,
+         sampler: ClockSampler | None = None) -> dict | None:
     """Every config of ``tuner`` timed on ``projection``'s ``impl``; the key's pick set to the fastest. None when the
     key was tuned here already (M = 1 and 8 share linear_residual's BLOCK_M = 16 key: the first M tuned keeps it)."""
     sets = [projection.make_set() for _ in range(input_sets(projection.weight_bytes))]
@@ -61,14 +65,17 @@ def tune(tuner, projection, impl: str, rep_ms: float) -> dict | None:
     (key,) = new
     timings = []
     for index, config in enumerate(tuner.configs):
+        began = time.time()
         try:
             with _common.forced_config(tuner, index), torch.no_grad():
-                us = median_ms(captured(lambda: [fn(s) for s in sets]), rep_ms=rep_ms, flush_l2=False) * 1e3 / len(sets)
+                us = median_ms(captured(lambda: [fn(s) for s in sets]), warmup_ms=warmup_ms, rep_ms=rep_ms,
+                               flush_l2=False) * 1e3 / len(sets)
         except Exception as error:  # noqa: BLE001 (a config this shape cannot run, e.g. pruned by its dot sizes)
             us = math.inf
             print(f"  {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         timings.append({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
-                        "us": round(us, 2)})
+                        "us": round(us, 2)}
+                       | ({"clocks": sampler.between(began, time.time())} if sampler is not None else {}))
     best = min(range(len(timings)), key=lambda i: timings[i]["us"])
     autotuner_pick = tuner.cache[key]
     tuner.cache[key] = tuner.configs[best]
@@ -83,6 +90,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="M values")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="timed replays per config, ms")
+    parser.add_argument("--warmup-ms", type=float, default=50.0,
+                        help="replays per config before the timed ones, ms (1000+: under the power cap, as a "
+                             "sustained decode runs)")
     parser.add_argument("--out", default="benchmarks/results/tune-decode-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,16 +100,19 @@ def main() -> None:
     _common.use_tuning_table = False  # every config compiled and filed by the autotuner's own pass first
     torch.manual_seed(0)
     tuned = []
+    sampler = ClockSampler()
     with fuselm.use_backend("triton"):
         for m in args.rows:
             for tuner, projection, impl in cases(m):
-                entry = tune(tuner, projection, impl, args.rep_ms)
+                entry = tune(tuner, projection, impl, args.rep_ms, args.warmup_ms, sampler)
                 tuned += [entry] if entry else []
                 torch.cuda.empty_cache()
+    sampler.stop()
     tuners = [decode_linear._qkv_rope_split, decode_linear._norm_gated_kernel, decode_linear._linear_residual_kernel]
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "method": __doc__.split("\n\n")[1].replace("\n", " "), "tuned": tuned,
+               "method": __doc__.split("\n\n")[1].replace("\n", " "), "warmup_ms": args.warmup_ms,
+               "rep_ms": args.rep_ms, "tuned": tuned,
                "autotune_picks": _common.autotune_picks(tuners)}
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
