@@ -3,9 +3,9 @@ into the cache, after the three cuBLAS projections), every config timed against 
 
 On the H200 its 32 launches took 0.79 ms of a 2048-token prefill (`results/ttft-session23-h200.json`), 24.7 us each
 for ~50 MB: about half the copy rate, where the other elementwise kernels of the prefill run near it. A program
-walks its GQA group's head slots one after another; the ``PARTS`` configs spread a group's slots over more
-programs. Llama-3-8B shapes (Hq 32, Hkv 8, D 128), bf16 projections, cos/sin and cache, int32 cache slots, at
-B1 x 2048 (a 2048-token prompt) and B32 x 512 (the batch-32 generate's prompt).
+walks its GQA group's head slots one after another, so the configs differ in rows and warps a program (how many
+programs, and so how many loads, are in flight). Llama-3-8B shapes (Hq 32, Hkv 8, D 128), bf16 projections,
+cos/sin and cache, int32 cache slots, at B1 x 2048 (a 2048-token prompt) and B32 x 512 (the batch-32 generate's prompt).
 
 bytes = read q, k, v + write q and the new k, v into the cache (2 x M x (Hq + 2 Hkv) x D x 2 B) + cos and sin;
 pct_of_copy = copy of those bytes (``timing.copy_ms``, the same flush) / the row's time. Times: ``timing.median_ms``

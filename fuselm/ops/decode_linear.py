@@ -624,13 +624,12 @@ _qkv_rope_split = autotune(_QKV_CONFIGS, key=_QKV_KEY, prune_configs_by=_PRUNE)(
 _qkv_rope_whole = autotune([c for c in _QKV_CONFIGS if c.kwargs["SPLIT"] == 1], key=_QKV_KEY)(_qkv_rope_kernel)
 
 
-# (BLOCK_M, warps, PARTS): PARTS programs share a GQA group's head slots, each taking every PARTS-th, so that more of a
-# group's loads are in flight at once (a program's slots run one after another); 1 reads each row's cos/sin and cache
-# positions once for the whole group
+# (BLOCK_M, warps): few rows and warps a program. A program walks its group's head slots one after another, so the
+# kernel's loads in flight grow with the programs resident: at Llama-3-8B's shapes on an H100 (B1 x 2048 / B32 x 512
+# tokens; benchmarks/qkv_epilogue_probe.py) (2, 1) moves its bytes at 80 / 84 % of copy, (8, 4) at 68 / 71, (16, 4) at
+# 63 / 65, (64, 8) at 57 / 56, (1, 1) at 71 / 70
 _QKV_EPILOGUE_CONFIGS = [
-    triton.Config({"BLOCK_M": m, "PARTS": parts}, num_warps=w)
-    for m, w, parts in [(16, 4, 1), (32, 4, 1), (64, 8, 1), (8, 4, 1), (16, 4, 3), (32, 4, 3), (64, 8, 3), (16, 4, 6),
-                        (32, 4, 6)]
+    triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in [(16, 4), (8, 4), (8, 2), (4, 1), (2, 1)]
 ]
 
 
@@ -646,23 +645,22 @@ def _qkv_epilogue_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd,
     head_eps, offset,
     HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
-    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    # Large-M epilogue after the cuBLAS projections. Program (i, kv_head, part) owns rows [i * BLOCK_M, +BLOCK_M) of
-    # every PARTS-th head slot, from slot part, of one GQA group (its slots: the Hq / Hkv q heads that read kv head
-    # kv_head, then that k head and that v head). It reads the rows' cos/sin and cache positions once, then each of
-    # its heads' BLOCK_M x D projection values (bias already added) once, runs head norm and RoPE, and writes them
-    # once, to q_out or to the caches.
+    # Large-M epilogue after the cuBLAS projections. Program (i, kv_head) owns rows [i * BLOCK_M, +BLOCK_M) of one
+    # GQA group: the Hq / Hkv q heads that read kv head kv_head, then that k head and that v head. It reads the
+    # rows' cos/sin and cache positions once for the group, then each head's BLOCK_M x D projection values (bias
+    # already added) once, runs head norm and RoPE, and writes them once, to q_out or to the caches.
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < n_rows
-    kv_head, part = tl.program_id(1), tl.program_id(2)
+    kv_head = tl.program_id(1)
     group = n_heads_q // n_heads_kv
     d1, ok1, tail, tail_ok = _head_columns(0, half, head_dim, 1, BLOCK_HALF_HEAD, BLOCK_TAIL)
     c1, c2, n1, n2 = _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, True,
                                     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd)
     position = _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, True)
     mask = row_ok[:, None] & ok1[None, :]
-    for i in range(part, group + 2, PARTS):  # slots: q heads kv_head * group + i, then k and v head kv_head
+    for i in range(group + 2):  # head slots: q heads kv_head * group + i, then k and v head kv_head
         slot = tl.where(i < group, kv_head * group + i, n_heads_q + (i - group) * n_heads_kv + kv_head)
         kind, head, proj_ptr, stride_row = _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
                                                         stride_q, stride_k, stride_v)
@@ -793,7 +791,7 @@ def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | 
     n_rows = q.shape[0]
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
     q_out = new_output((n_rows // seq_len, seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
-    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_kv_heads, meta["PARTS"])  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_kv_heads)  # noqa: E731
     head_norms = [w.contiguous() if w is not None else q for w in (q_norm_weight, k_norm_weight)]
     _qkv_epilogue_kernel[grid](
         q, k, v, *head_norms, cos, sin, cache_positions, q_out, k_cache, v_cache,
