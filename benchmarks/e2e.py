@@ -134,8 +134,8 @@ def launches_per_layer(impl: str, batch: int, smoke: bool) -> float:
 
 
 def measure(model, impl: str, args, rows: list, copy: float, sampler: ClockSampler | None = None) -> None:
-    """The impl's first-call, generate and prefill rows; a generate row's ``clocks`` are nvidia-smi's samples over
-    its timed calls (SM MHz, watts, throttle reasons), with ``sampler``."""
+    """The impl's first-call, generate and prefill rows; with ``sampler``, the generate and prefill rows' ``clocks``
+    are nvidia-smi's samples over their timed calls (SM MHz, watts, throttle reasons)."""
     vocab = model.config.vocab_size
     tokens = torch.Generator().manual_seed(0)
     timed = dict(warmup_ms=0, rep_ms=0, min_repeats=args.repeats, flush_l2=False)  # calls of a second or more
