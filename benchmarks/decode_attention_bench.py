@@ -166,17 +166,23 @@ def split_rows(copy_gbps: float, values: tuple[int, ...], *, smoke: bool = False
 # at its first step, 640 on average), and the layer step's 1024 context (L = 2 x 1024). Its (row, kv head) units (256)
 # outnumber the SMs, so _num_splits gives one split, and a program loops over the whole row.
 B32_SHAPES = [(32, 768, 513), (32, 768, 640), (32, 2048, 1024)]
+# (batch, L, valid) at B = 1 where 33 splits (132 SMs, 8 kv heads) leave 33 chunks active, whose partials merge in
+# two steps of 32: the layer step's 4096 context (4097 visible at its step), and a span of 33 x 256. At 32 splits
+# each merges in one (attention._num_splits rounds 33 down to the merge width).
+B1_MERGE_SHAPES = [(1, 8192, 4097), (1, 8448, 8448), (1, 32768, 32768)]
+SPLIT_SWEEP_SHAPES = {"b32": B32_SHAPES, "b1-merge": B1_MERGE_SHAPES}
 
 
-def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, configs: bool = False,
-                      smoke: bool = False) -> list[dict]:
-    """At B = 32's short rows: fuselm with its own split count and cuDNN's GQA, then fuselm with the split count
-    forced to each of ``splits`` (impl ``fuselm_splitN``; the autotuner picks each one's config), and with
-    ``configs`` each autotune config forced as well (``fuselm_splitN_cfgI``). Whether a row of a few hundred
-    positions wants splits even where the units alone fill the SMs. Nothing without ``splits``."""
+def forced_split_rows(copy_gbps: float, splits: tuple[int, ...], *, configs: bool = False, smoke: bool = False,
+                      shapes: str = "b32") -> list[dict]:
+    """At ``shapes`` (B = 32's short rows, or B = 1's spans whose partials merge in two steps): fuselm with its
+    own split count and cuDNN's GQA, then fuselm with the split count forced to each of ``splits`` (impl
+    ``fuselm_splitN``; the autotuner picks each one's config), and with ``configs`` each autotune config forced
+    as well (``fuselm_splitN_cfgI``). Whether a row of a few hundred positions wants splits even where the units
+    alone fill the SMs; whether one merge step is worth a split. Nothing without ``splits``."""
     if not splits:
         return []
-    heads, shapes = (SMOKE, [(2, 64, 40)]) if smoke else (LLAMA3_8B, B32_SHAPES)
+    heads, shapes = (SMOKE, [(2, 64, 40)]) if smoke else (LLAMA3_8B, SPLIT_SWEEP_SHAPES[shapes])
     out = []
     for batch, context, valid in shapes:
         out += time_shape(heads, batch, context, valid, copy_gbps, only=("fuselm", "sdpa_cudnn_gqa"))

@@ -424,6 +424,9 @@ def main() -> None:
                         help="also time fuselm attention at B = 32's short rows with the split count forced to each "
                              "(impl fuselm_splitN; with --sweep-attention-configs every config too: "
                              "fuselm_splitN_cfgI), beside its own choice and cuDNN")
+    parser.add_argument("--split-shapes", choices=sorted(decode_attention_bench.SPLIT_SWEEP_SHAPES), default="b32",
+                        help="where --sweep-splits times: B = 32's short rows, or B = 1 spans whose 33 splits' "
+                             "partials merge in two steps")
     parser.add_argument("--sweep-attention-configs", action="store_true",
                         help="also time fuselm attention with each autotune config forced (impl fuselm_cfgI)")
     args = parser.parse_args()
@@ -448,7 +451,8 @@ def main() -> None:
                                                     sweep_configs=args.sweep_attention_configs)
                 rows += decode_attention_bench.split_rows(copy, tuple(args.sweep_min_split_positions), smoke=args.smoke)
                 rows += decode_attention_bench.forced_split_rows(copy, tuple(args.sweep_splits),
-                                                                 configs=args.sweep_attention_configs, smoke=args.smoke)
+                                                                 configs=args.sweep_attention_configs, smoke=args.smoke,
+                                                                 shapes=args.split_shapes)
                 settings["attention"] = decode_attention_bench.settings()
             elif what == "projection":
                 rows += decode_linear_bench.rows(copy, copy_steady, smoke=args.smoke, ms=tuple(args.rows))

@@ -167,14 +167,25 @@ def test_counters_are_zero_after_each_launch():
 
 def test_the_split_count_depends_on_static_shapes_only():
     assert list(inspect.signature(attention._num_splits).parameters) == [
-        "batch", "n_kv_heads", "row_blocks", "cache_len", "sms"]
-    llama_batch1 = attention._num_splits(1, 8, 1, 32768, 132)
+        "batch", "n_kv_heads", "row_blocks", "cache_len", "sms", "merge_width"]
+    llama_batch1 = attention._num_splits(1, 8, 1, 32768, 132, 64)
     assert llama_batch1 * 8 >= 132  # B = 1: enough splits to give every SM a program
-    assert attention._num_splits(32, 8, 1, 4096, 132) == 1  # B = 32: the batch fills the GPU already
-    assert attention._num_splits(8, 8, 1, 4096, 132) == 5  # 64 units: about two programs per SM
-    assert attention._num_splits(1, 8, 1, 768, 132) == 768 // attention.MIN_SPLIT_POSITIONS  # short: by L
-    assert attention._num_splits(1, 8, 1, attention.MIN_SPLIT_POSITIONS, 132) == 1  # a short buffer is not cut up
-    assert attention._num_splits(1, 1, 1, 10**6, 10**4) == attention.MAX_SPLITS
+    assert attention._num_splits(32, 8, 1, 4096, 132, 32) == 1  # B = 32: the batch fills the GPU already
+    assert attention._num_splits(8, 8, 1, 4096, 132, 32) == 5  # 64 units: about two programs per SM
+    assert attention._num_splits(1, 8, 1, 768, 132, 32) == 768 // attention.MIN_SPLIT_POSITIONS  # short: by L
+    assert attention._num_splits(1, 8, 1, attention.MIN_SPLIT_POSITIONS, 132, 32) == 1  # a short buffer is not cut up
+    assert attention._num_splits(1, 1, 1, 10**6, 10**4, 128) == attention.MAX_SPLITS
+
+
+def test_a_split_count_just_past_the_merge_width_is_rounded_down_to_it():
+    """33 splits (132 SMs, 8 kv heads) merge in two steps whenever 33 chunks are active; 32 merge in one."""
+    assert attention._num_splits(1, 8, 1, 32768, 132, 64) == 33  # under the width: one step either way
+    assert attention._num_splits(1, 8, 1, 32768, 132, 32) == 32  # Llama-3-8B, GQA 4 x D 128
+    assert attention._num_splits(1, 8, 1, 32768, 132, 16) == 32  # GQA 8 x D 128: 3 steps -> 2
+    assert attention._num_splits(1, 8, 1, 32768, 132, 8) == 32  # 5 steps -> 4
+    # more than an eighth of the splits past the width: kept (the programs are worth more than a merge step)
+    assert attention._num_splits(1, 6, 1, 32768, 132, 32) == 44  # 12 past 32, above 44 // 8 = 5
+    assert attention._num_splits(1, 8, 1, 32768, 132, 20) == 33  # 13 past 20
 
 
 @pytest.mark.parametrize("window", [0, 5, 100])
