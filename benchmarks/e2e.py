@@ -9,7 +9,8 @@ Rows (``benchmarks/results/e2e-h200.json``):
   with ``gbps``: (weight bytes + KV bytes read per step) x steps/s, the formula in ``formula``; and
   ``first_token_ms`` (the same prompt's call with one new token: its prefill) and ``decode_tok_per_s``, the rate of
   the decode steps alone: batch x (new - 1) / (call time - first_token_ms); and ``clocks`` (CUDA): nvidia-smi's SM
-  clock, power and throttle reasons sampled over the timed calls (the H200 and H100 cap power at 700 W);
+  clock, power and throttle reasons sampled over the timed calls (the H200 and H100 cap power at 700 W), and
+  ``clocks_decode``, the samples past each timed call's first ``first_token_ms`` (its decode steps alone);
 - ``prefill``: ms of a ``generate`` call with one new token (time to first token), batch 1, the same prompt length
   each call (fuselm's engine replays a captured prefill from a length's third call, up to 4096 tokens);
 - ``prefill_eager`` (fuselm's impls): the same with prefill graphs off, as the first call of a prompt length runs;
@@ -86,6 +87,15 @@ def call(model, impl: str, prompt: torch.Tensor, new: int):
     return model.generate(prompt, **asked)
 
 
+def timed_call(spans: list, model, impl: str, prompt: torch.Tensor, new: int):
+    """``call``, waiting for the GPU, with the call's host-time span appended to ``spans`` (for the clock samples)."""
+    start = time.time()
+    out = call(model, impl, prompt, new)
+    synchronize()
+    spans.append((start, time.time()))
+    return out
+
+
 def step_bytes(model, batch: int, context: int) -> int:
     """HBM bytes one decode step must read: every weight but the embedding table (one row of it), plus each row's
     keys and values over ``context`` positions."""
@@ -155,8 +165,8 @@ def measure(model, impl: str, args, rows: list, copy: float, sampler: ClockSampl
         if args.profile_first_call:
             print(f"{impl} B{batch} first call under cProfile, top functions by cumulative s:", flush=True)
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
-        began = time.time()
-        ms = median_ms(lambda prompt=prompt: call(model, impl, prompt, args.new), **timed)
+        began, spans = time.time(), []
+        ms = median_ms(lambda prompt=prompt, spans=spans: timed_call(spans, model, impl, prompt, args.new), **timed)
         clocks = sampler.between(began, time.time()) if sampler is not None else None
         tok_s = batch * args.new / (ms / 1e3)
         steps_s = args.new / (ms / 1e3)
@@ -175,8 +185,11 @@ def measure(model, impl: str, args, rows: list, copy: float, sampler: ClockSampl
             rows[-1].update(first_token_ms=first_ms, decode_tok_per_s=decode_tok_s,
                             decode_formula="decode_tok_per_s = batch x (new - 1) / (call time - first_token_ms); "
                                            "first_token_ms = the same prompt's call with one new token")
+            if sampler is not None:  # the decode steps' own clocks: each timed call's span past its first token
+                rows[-1]["clocks_decode"] = sampler.within([(start + first_ms / 1e3, end) for start, end in spans])
             print(f"{impl:>20} B{batch:<3} first token {first_ms:8.1f} ms, decode steps alone {decode_tok_s:8.1f} "
-                  f"tok/s", flush=True)
+                  f"tok/s" + (f", their clocks {rows[-1]['clocks_decode']}" if sampler is not None else ""),
+                  flush=True)
     for prefill in args.prefills:
         prompt = torch.randint(3, vocab, (1, prefill), generator=tokens).to(model.device)
         began = time.time()

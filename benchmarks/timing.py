@@ -187,7 +187,11 @@ class ClockSampler:
             self.samples.append((time.time(), line.strip()))
 
     def between(self, start: float, end: float) -> dict:
-        lines = [line for t, line in self.samples if start <= t <= end]
+        return self.within([(start, end)])
+
+    def within(self, spans: Sequence[tuple[float, float]]) -> dict:
+        """The samples taken inside any of the host-time ``spans``, summarised as :meth:`between` does."""
+        lines = [line for t, line in self.samples if any(start <= t <= end for start, end in spans)]
         clocks, watts, reasons = [], [], set()
         for line in lines:
             parts = [p.strip() for p in line.split(",")]

@@ -48,3 +48,30 @@ def test_eager_prefills_switch_the_graphs_off_and_back(e2e):
     with e2e.eager_prefills():
         assert engine_module.PREFILL_GRAPH_TOKENS == 0
     assert engine_module.PREFILL_GRAPH_TOKENS == tokens > 0
+
+
+def test_the_decode_steps_clocks_cover_each_timed_call_past_its_first_token(e2e, monkeypatch):
+    """``clocks_decode`` summarises the samples inside each generate call's host span less its first token's time."""
+
+    class Sampler:
+        def __init__(self):
+            self.asked = []
+
+        def between(self, start, end):
+            return {"samples": 0}
+
+        def within(self, spans):
+            self.asked.append(list(spans))
+            return {"samples": 1}
+
+    calls, timed_call = [], e2e.timed_call
+    monkeypatch.setattr(e2e, "timed_call", lambda spans, *args: (calls.append(spans), timed_call(spans, *args))[1])
+    model = e2e.build(1, smoke=True)
+    sampler = Sampler()
+    rows: list[dict] = []
+    e2e.measure(model, "eager", ARGS, rows, copy=1000.0, sampler=sampler)
+    generate = rows[1]
+    assert generate["what"] == "generate" and generate["clocks_decode"] == {"samples": 1}
+    spans = calls[0]
+    assert len(spans) >= ARGS.repeats and all(start <= end for start, end in spans)
+    assert sampler.asked == [[(start + generate["first_token_ms"] / 1e3, end) for start, end in spans]]

@@ -33,4 +33,7 @@ def test_clock_sampler_summarises_the_samples_in_a_span(monkeypatch):
         "samples": 2, "sm_mhz_min": 1350.0, "sm_mhz_median": 1380.0, "watts_max": 699.5, "watts_median": 694.875,
         "throttle": ["0x0000000000000004"]}
     assert sampler.between(4.0, 8.0) == {"samples": 0}
+    assert sampler.within([(0.5, 1.5), (8.0, 9.5)]) == {  # two calls' decode phases: the samples of both, merged
+        "samples": 2, "sm_mhz_min": 1755.0, "sm_mhz_median": 1867.5, "watts_max": 500.0, "watts_median": 400.0,
+        "throttle": ["0x0000000000000000"]}
     sampler.stop()
