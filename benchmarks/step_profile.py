@@ -5,7 +5,8 @@ For each batch: one ``fuselm.generate`` call (prompt ``--prompt``, 2 new tokens)
 torch.profiler (CUPTI reports the kernels inside a graph). Kernels are grouped by name: launches per step and GPU µs
 per step; a kernel launched once per layer (``layers`` times a step) is a layer kernel, any other count is the step's
 own work around the layers (embedding, rotary tables, final norm, lm_head, the token choice, the cache's opening).
-``idle`` = the replay's time - the sum of its kernels' times: the gaps between kernels.
+``idle`` = the replay's time - the sum of its kernels' times: the gaps between kernels. ``layer_chain``: per layer
+kernel, what it adds to the step's critical path (its end - the previous kernel's end; :func:`chain`).
 
 Also the prefill of that call (the model's forward over the prompt, eager), with the same grouping.
 
@@ -40,6 +41,36 @@ def _kernels(profile) -> dict[str, list[float]]:
     return found
 
 
+# A decoder layer's kernels in launch order; the linear_residual launch after attention is o, after gate/up down
+LAYER_ROLES = {"_qkv_rope_kernel": "qkv_rope", "_decode_attention_kernel": "attention",
+               "_norm_gated_kernel": "gate_up"}
+
+
+def _role(name: str, previous_role: str | None) -> str | None:
+    if name == "_linear_residual_kernel":
+        return {"attention": "o", "gate_up": "down"}.get(previous_role or "")
+    return LAYER_ROLES.get(name)
+
+
+def chain(launches) -> dict[str, dict]:
+    """Per layer kernel (qkv_rope, attention, o, gate_up, down), medians over its launches of: ``duration_us`` (its
+    own span, dependent-launch wait included), ``starts_after_previous_end_us`` (negative: it started before the
+    kernel before it ended, as a dependent launch does) and ``marginal_us`` = its end - the previous kernel's end,
+    what the kernel adds to the step's critical path. Launches in start order; a layer kernel right after a
+    non-layer one (the step's first) is left out."""
+    stats: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    previous, previous_role = None, None
+    for launch in sorted(launches, key=lambda launch: launch.start_us):
+        role = _role(launch.name, previous_role)
+        if role is not None and previous_role is not None:
+            stats[role]["duration_us"].append(launch.end_us - launch.start_us)
+            stats[role]["starts_after_previous_end_us"].append(launch.start_us - previous.end_us)
+            stats[role]["marginal_us"].append(launch.end_us - previous.end_us)
+        previous, previous_role = launch, role
+    return {role: {name: round(statistics.median(values), 2) for name, values in found.items()} | {
+        "launches": len(found["marginal_us"])} for role, found in stats.items()}
+
+
 def _grouped(found: dict[str, list[float]], steps: int, layers: int) -> list[dict]:
     rows = []
     for name, times in found.items():
@@ -70,6 +101,7 @@ def step_rows(model, batch: int, prompt_len: int, steps: int) -> dict:
             graph.replay()
         torch.cuda.synchronize()
     kernels = _grouped(_kernels(profile), steps, layers)
+    layer_chain = chain(device_launches(profile.events()))
     replay_us = statistics.median(times)
     busy = sum(row["us_per_step"] for row in kernels)
     layer_us = sum(row["us_per_step"] for row in kernels if row["layer_kernel"])
@@ -80,7 +112,8 @@ def step_rows(model, batch: int, prompt_len: int, steps: int) -> dict:
     return {"batch": batch, "prompt": prompt_len, "replay_us": replay_us, "busy_us": busy,
             "idle_us": replay_us - busy, "layer_kernels_us": layer_us, "other_kernels_us": busy - layer_us,
             "other_launches": sum(row["per_step"] for row in kernels if not row["layer_kernel"]),
-            "kernels": kernels, "prefill_busy_us": sum(row["us_per_step"] for row in prefill), "prefill": prefill[:25]}
+            "kernels": kernels, "layer_chain": layer_chain,
+            "prefill_busy_us": sum(row["us_per_step"] for row in prefill), "prefill": prefill[:25]}
 
 
 def main() -> None:
@@ -104,6 +137,11 @@ def main() -> None:
         for kernel in row["kernels"]:
             print(f"  {kernel['per_step']:5.1f} x {kernel['us_each']:7.2f} us = {kernel['us_per_step']:8.1f} us  "
                   f"{'layer' if kernel['layer_kernel'] else 'step '}  {kernel['kernel'][:90]}")
+        print("  layer chain (medians, us): kernel, duration, start after the previous end, marginal (end - the "
+              "previous end)")
+        for role, found in row["layer_chain"].items():
+            print(f"  {role:<10} {found['duration_us']:7.2f} {found['starts_after_previous_end_us']:7.2f} "
+                  f"{found['marginal_us']:7.2f}  ({found['launches']} launches)")
         print("  prefill top:")
         for kernel in row["prefill"][:12]:
             print(f"  {kernel['per_step']:5.1f} x {kernel['us_each']:8.1f} us = {kernel['us_per_step'] / 1e3:7.2f} ms"
