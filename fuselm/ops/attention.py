@@ -22,6 +22,12 @@ the output and resets the counter to zero. Nothing depends on the lengths' value
 launch can be captured in a CUDA graph and replayed with new starts/ends in the same tensors. The counters
 are one buffer per device, allocated on first use (before capture) and shared by every launch: launches
 running concurrently on two streams would race on them.
+
+At small batches the launch is a dependent one (it starts while the kernel before it finishes, and waits for it
+before reading q), but it never releases the kernel after it early: the o projection's programs, launched while the
+last splits merge, slowed that merge, the critical path (H100, B = 1 layer step back to back: 168.1 / 167.7 us
+without the early release against 169.9 / 170.0 with it at 512 context, 176.1 / 175.8 against 177.0 at 4096;
+benchmarks/NOTES.md, session 26).
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ from fuselm.ops._common import (
     check_same_device,
     check_tensor,
     dependent_launch,
-    let_next_kernel_launch,
     new_output,
     sm_count,
     wait_for_previous_kernel,
@@ -227,7 +232,6 @@ def _decode_attention_kernel(
             row_sum = row_sum * rescale + tl.sum(weights, axis=1)
             acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, DOT_PRECISION)
             row_max = new_max
-        let_next_kernel_launch(DEPENDENT)
         if n_active == 1:
             out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
