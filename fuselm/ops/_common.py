@@ -212,12 +212,15 @@ def sm_count(device: torch.device) -> int:
 # Launched with ``launch_pdl``, a kernel may start its programs once every program of the kernel before it has passed
 # its main loop (``let_next_kernel_launch``); they prefetch their first weight bytes into L2 (weights: nothing in the
 # step writes them) and wait (``wait_for_previous_kernel``) before they touch anything else. Measured on the H200
-# (benchmarks/NOTES.md, layer step us): B1 x 512 145.2 -> 139.5, but B32 x 1024 182.6 -> 184.0 and releasing the next
-# kernel at the start instead was slower everywhere; so launches of up to DEPENDENT_MAX_ROWS rows only.
+# (benchmarks/NOTES.md, layer step us, session 8): B1 x 512 145.2 -> 139.5, but B32 x 1024 182.6 -> 184.0, and
+# releasing the next kernel at the start instead was slower everywhere; so up to 8 rows then. With today's kernels
+# (session 26, H100, alternating runs) dependent launches at 32 rows took B32 x 1024 from 219.2-219.6 to 216.9-217.0
+# us back to back, and B32's generate from 3933 to 3980 tok/s: launches of up to DEPENDENT_MAX_ROWS rows.
 # FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
-# FUSELM_WEIGHT_PREFETCH sets the prefetched bytes per weight row (benchmarks; 0: none).
+# FUSELM_DEPENDENT_MAX_ROWS sets the row limit (benchmarks: the H200's B32 A/B); FUSELM_WEIGHT_PREFETCH sets the
+# prefetched bytes per weight row (benchmarks; 0: none).
 use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
-DEPENDENT_MAX_ROWS = 8
+DEPENDENT_MAX_ROWS = int(os.environ.get("FUSELM_DEPENDENT_MAX_ROWS", "32"))
 weight_prefetch_bytes = int(os.environ.get("FUSELM_WEIGHT_PREFETCH", "512"))
 
 
