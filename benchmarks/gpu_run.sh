@@ -11,7 +11,9 @@
 # go to it, e.g. "--grow-to 8192") and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
 # "--only attention --sweep-splits 1 2 3 4") and (FUSELM_GEMM=1) the prefill GEMMs' rate by M and by clocks
-# (gemm_clock_probe.py); prints a short table last. FUSELM_REQUIRE=H200 exits 3 at once on any GPU whose name lacks it.
+# (gemm_clock_probe.py) and (FUSELM_PDL_AB=1) the layer step with dependent launches up to 8 and up to 32 rows,
+# alternating (FUSELM_DEPENDENT_MAX_ROWS); prints a short table last.
+# FUSELM_REQUIRE=H200 exits 3 at once on any GPU whose name lacks it.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/. The device tool brings back at most 8
 # files: with $OUT set and more files than that in it, they go into $OUT/results.tgz as the script exits (on SIGINT or
@@ -104,6 +106,15 @@ if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a prefill call's time goes, in a f
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
+fi
+if [ "${FUSELM_PDL_AB:-0}" = 1 ]; then  # the layer step with dependent launches up to 8 rows and up to 32, alternating
+  for run in 1 2; do
+    for rows in 8 32; do
+      echo "== FUSELM_DEPENDENT_MAX_ROWS=$rows, run $run"
+      FUSELM_DEPENDENT_MAX_ROWS=$rows python3 benchmarks/decode_bench.py --only layer_step --impls fuselm \
+        --out "$out/layer-pdl$rows-$run-h200.json" 2>&1 | tee "$out/layer-pdl$rows-$run.log" | tail -n 4
+    done
+  done
 fi
 if [ "${FUSELM_GEMM:-0}" = 1 ]; then
   python3 benchmarks/gemm_clock_probe.py --out "$out/gemm-clock-probe-h200.json" 2>&1 | tee "$out/gemm-clock.log" | tail -n 8
