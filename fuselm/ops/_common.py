@@ -219,9 +219,19 @@ def sm_count(device: torch.device) -> int:
 # FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
 # FUSELM_DEPENDENT_MAX_ROWS sets the row limit (benchmarks: the H200's B32 A/B); FUSELM_WEIGHT_PREFETCH sets the
 # prefetched bytes per weight row (benchmarks; 0: none).
+def _env_count(name: str, default: int) -> int:
+    """The environment variable ``name`` as a non-negative int (``default`` when unset); a clear error otherwise."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
 use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
-DEPENDENT_MAX_ROWS = int(os.environ.get("FUSELM_DEPENDENT_MAX_ROWS", "32"))
-weight_prefetch_bytes = int(os.environ.get("FUSELM_WEIGHT_PREFETCH", "512"))
+DEPENDENT_MAX_ROWS = _env_count("FUSELM_DEPENDENT_MAX_ROWS", 32)
+weight_prefetch_bytes = _env_count("FUSELM_WEIGHT_PREFETCH", 512)
 
 
 @functools.cache

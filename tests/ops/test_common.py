@@ -372,3 +372,14 @@ def test_a_chain_of_dependent_launches_replayed_in_a_cuda_graph_equals_plain_lau
             torch.cuda.synchronize()
             assert torch.isfinite(static_out).all()
             assert torch.equal(static_out, expected)
+
+
+def test_integer_environment_settings_read_or_name_themselves_when_bad(monkeypatch):
+    monkeypatch.delenv("FUSELM_DEPENDENT_MAX_ROWS", raising=False)
+    assert _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32) == 32
+    monkeypatch.setenv("FUSELM_DEPENDENT_MAX_ROWS", " 8 ")
+    assert _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32) == 8
+    for bad in ("eight", "-1", "2.5"):
+        monkeypatch.setenv("FUSELM_DEPENDENT_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="FUSELM_DEPENDENT_MAX_ROWS must be a non-negative integer"):
+            _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32)
