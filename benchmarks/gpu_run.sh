@@ -11,8 +11,8 @@
 # go to it, e.g. "--grow-to 8192") and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
 # "--only attention --sweep-splits 1 2 3 4") and (FUSELM_GEMM=1) the prefill GEMMs' rate by M and by clocks
-# (gemm_clock_probe.py) and (FUSELM_PDL_AB=1) the layer step with dependent launches up to 8 and up to 32 rows,
-# alternating (FUSELM_DEPENDENT_MAX_ROWS); prints a short table last.
+# (gemm_clock_probe.py) and (FUSELM_AB="VAR=a VAR=b", FUSELM_AB_GENERATE=1) the layer step (and generate) under
+# each environment setting, alternating; prints a short table last.
 # FUSELM_REQUIRE=H200 exits 3 at once on any GPU whose name lacks it.
 #   bash benchmarks/gpu_run.sh [kernels...]     (on the GPU machine, from the repo root)
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/. The device tool brings back at most 8
@@ -107,12 +107,19 @@ fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
 fi
-if [ "${FUSELM_PDL_AB:-0}" = 1 ]; then  # the layer step with dependent launches up to 8 rows and up to 32, alternating
+if [ -n "${FUSELM_AB:-}" ]; then  # the layer step under each environment setting of FUSELM_AB, alternating, twice
+  # e.g. FUSELM_AB="FUSELM_DEPENDENT_MAX_ROWS=8 FUSELM_DEPENDENT_MAX_ROWS=32"; with FUSELM_AB_GENERATE=1 also
+  # fuselm.generate at B = 1 and 32 (e2e.py), each setting in its own process
   for run in 1 2; do
-    for rows in 8 32; do
-      echo "== FUSELM_DEPENDENT_MAX_ROWS=$rows, run $run"
-      FUSELM_DEPENDENT_MAX_ROWS=$rows python3 benchmarks/decode_bench.py --only layer_step --impls fuselm \
-        --out "$out/layer-pdl$rows-$run-h200.json" 2>&1 | tee "$out/layer-pdl$rows-$run.log" | tail -n 4
+    for setting in $FUSELM_AB; do
+      tag=$(echo "$setting" | tr -c 'A-Za-z0-9_\n' '-' | tr 'A-Z' 'a-z')
+      echo "== $setting, run $run"
+      env "$setting" python3 benchmarks/decode_bench.py --only layer_step --impls fuselm \
+        --out "$out/ab-layer-$tag-$run-h200.json" 2>&1 | tee "$out/ab-layer-$tag-$run.log" | tail -n 4
+      if [ "${FUSELM_AB_GENERATE:-0}" = 1 ]; then
+        env "$setting" python3 benchmarks/e2e.py --no-train --impls fuselm.generate --prefills --prefill-idle-s 0 \
+          --out "$out/ab-generate-$tag-$run-h200.json" 2>&1 | tee "$out/ab-generate-$tag-$run.log" | grep "generate"
+      fi
     done
   done
 fi

@@ -45,7 +45,9 @@ from fuselm.ops._common import (
     check_same_device,
     check_tensor,
     dependent_launch,
+    kv_prefetch,
     new_output,
+    prefetch_to_l2,
     sm_count,
     wait_for_previous_kernel,
     zeroed_counters,
@@ -158,6 +160,45 @@ def _row_pointers(base, heads, queries, d, stride_h, stride_t, stride_d):
 
 
 @triton.jit
+def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUERIES: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, LOAD_CACHE: tl.constexpr = ""):
+    """Row b's start and end (loaded with the cache modifier LOAD_CACHE), its visible span [lo, hi) of the cache,
+    the span's chunk per split (whole K/V tiles) and how many splits have a non-empty chunk."""
+    start = tl.maximum(tl.load(starts_ptr + b, cache_modifier=LOAD_CACHE).to(tl.int32), 0)
+    end = tl.load(ends_ptr + b, cache_modifier=LOAD_CACHE).to(tl.int32)
+    hi = tl.minimum(end, cache_len)
+    lo = start
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, end - N_QUERIES - window + 1)
+    span = tl.maximum(hi - lo, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    return start, end, lo, hi, chunk, tl.cdiv(span, chunk)
+
+
+@triton.jit
+def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
+                    stride_kd, stride_vl, stride_vd, HEAD_DIM: tl.constexpr, N_QUERIES: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Every 128-byte line of split ``split``'s K and V positions into L2, from the lengths as they read now.
+
+    A hint only, so it may run before the wait for the kernel before: L2 is where every SM's reads and writes meet,
+    so a line prefetched stale or while written is never wrong, and the lengths are read here at L2 (.cg), leaving
+    no line in L1 for the reads after the wait to find.
+    """
+    _, _, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
+                                                    N_QUERIES, HAS_WINDOW, BLOCK_N, ".cg")
+    if split < n_active:
+        lines = tl.arange(0, LINES) * LINE_ELEMENTS
+        split_lo = lo + split * chunk
+        split_hi = tl.minimum(split_lo + chunk, hi)
+        for tile in range(split_lo, split_hi, BLOCK_N):
+            positions = (tile + tl.arange(0, BLOCK_N)).to(tl.int64)
+            mask = (positions < split_hi)[:, None] & (lines < HEAD_DIM)[None, :]
+            prefetch_to_l2(k_base + positions[:, None] * stride_kl + lines[None, :] * stride_kd, mask)
+            prefetch_to_l2(v_base + positions[:, None] * stride_vl + lines[None, :] * stride_vd, mask)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr, out_ptr, partial_out_ptr, partial_stats_ptr, tickets_ptr,
     scale, softcap, window, cache_len, n_splits,
@@ -165,7 +206,8 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
     # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
@@ -183,19 +225,17 @@ def _decode_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     out_mask = row_ok[:, None] & d_ok[None, :]
+    k_base = k_ptr + b * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if PREFETCH_KV:  # (dependent launches only) while the kernel before finishes: this program's K/V lines into L2
+        _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
+                        stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, LINE_ELEMENTS, LINES, BLOCK_N)
     wait_for_previous_kernel(DEPENDENT)
     # q is read before the lengths, by every program, so that its latency overlaps theirs
     q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
                 mask=out_mask, other=0.0)
-    start = tl.maximum(tl.load(starts_ptr + b).to(tl.int32), 0)
-    end = tl.load(ends_ptr + b).to(tl.int32)
-    hi = tl.minimum(end, cache_len)
-    lo = start
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, end - N_QUERIES - window + 1)
-    span = tl.maximum(hi - lo, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    n_active = tl.cdiv(span, chunk)
+    start, end, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
+                                                          N_QUERIES, HAS_WINDOW, BLOCK_N)
 
     out_base = out_ptr + b * stride_ob
     out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
@@ -206,8 +246,8 @@ def _decode_attention_kernel(
             row_lo = tl.maximum(row_lo, query_pos - window + 1)
         split_lo = lo + split * chunk
         split_hi = tl.minimum(split_lo + chunk, hi)
-        k_base = k_ptr + b * stride_kb + kv_head.to(tl.int64) * stride_kh + d[None, :] * stride_kd
-        v_base = v_ptr + b * stride_vb + kv_head.to(tl.int64) * stride_vh + d[None, :] * stride_vd
+        k_tile = k_base + d[None, :] * stride_kd
+        v_tile = v_base + d[None, :] * stride_vd
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # log2 units
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -215,9 +255,9 @@ def _decode_attention_kernel(
             positions = tile + tl.arange(0, BLOCK_N)
             in_chunk = positions < split_hi
             kv_mask = in_chunk[:, None] & d_ok[None, :]
-            k = tl.load(k_base + positions[:, None].to(tl.int64) * stride_kl, mask=kv_mask, other=0.0,
+            k = tl.load(k_tile + positions[:, None].to(tl.int64) * stride_kl, mask=kv_mask, other=0.0,
                         eviction_policy="evict_first")
-            v = tl.load(v_base + positions[:, None].to(tl.int64) * stride_vl, mask=kv_mask, other=0.0,
+            v = tl.load(v_tile + positions[:, None].to(tl.int64) * stride_vl, mask=kv_mask, other=0.0,
                         eviction_policy="evict_first")
             logits = _dot(q, tl.trans(k), DOT_PRECISION) * scale
             if HAS_SOFTCAP:
@@ -334,13 +374,16 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     partial_stats = new_output((units, n_splits, 2, block_m), torch.float32, q.device)
     partial_out = new_output((units, n_splits, block_m, block_d), torch.float32, q.device)
     grid = (n_splits, n_kv_heads * row_blocks, batch)
+    launch = dependent_launch(q.device, batch * n_queries, prefetch=False)
+    launch["PREFETCH_KV"] = launch["DEPENDENT"] and kv_prefetch
+    line_elements = 128 // q.element_size()  # elements of a 128-byte line (the prefetch's unit)
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),
         scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
         COMBINE_ROWS=combine_rows, COMBINE_SPLITS=combine_splits,
-        **dependent_launch(q.device, batch * n_queries, prefetch=False),
+        LINE_ELEMENTS=line_elements, LINES=triton.next_power_of_2(triton.cdiv(head_dim, line_elements)), **launch,
     )
     return out
 

@@ -95,6 +95,19 @@ def _launches_no_config_test_makes():
         sum(t.sum() for t in fuselm.rope(q, k, cos, sin)).backward()
 
 
+def _dependent_variants(launches):
+    """Per kernel with a DEPENDENT constexpr, its first recorded launch as a dependent launch (which the interpreter
+    never makes): the wait, the release and the prefetches (PREFETCH_LINES, PREFETCH_KV) compiled too."""
+    variants = {}
+    for launch in launches:
+        if "DEPENDENT" in launch["constexprs"] and launch["kernel"] not in variants:
+            on = {"DEPENDENT": True} | {name: value for name, value in (("PREFETCH_LINES", 4), ("PREFETCH_KV", True))
+                                        if name in launch["constexprs"]}
+            variants[launch["kernel"]] = {**launch, "constexprs": {**launch["constexprs"], **on}}
+    assert {"_decode_attention_kernel", "_linear_residual_kernel", "_qkv_rope_kernel"} <= set(variants)
+    return list(variants.values())
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real tests compile every launch")
 def test_every_launch_compiles_for_hopper(monkeypatch):
     recorder = LaunchRecorder(monkeypatch)
@@ -108,7 +121,8 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
         _launches_no_config_test_makes()
     recorded = {launch["kernel"] for launch in recorder.launches.values()}
     assert recorded >= KERNELS, f"never recorded: {KERNELS - recorded}"  # else they would pass unchecked
+    launches = list(recorder.launches.values()) + _dependent_variants(recorder.launches.values())
     result = subprocess.run(
-        [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(list(recorder.launches.values())),
+        [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(launches),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
