@@ -218,8 +218,8 @@ def sm_count(device: torch.device) -> int:
 # us back to back, and B32's generate from 3933 to 3980 tok/s: launches of up to DEPENDENT_MAX_ROWS rows.
 # FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
 # FUSELM_DEPENDENT_MAX_ROWS sets the row limit (benchmarks: the H200's B32 A/B); FUSELM_WEIGHT_PREFETCH sets the
-# prefetched bytes per weight row (benchmarks; 0: none), FUSELM_KV_PREFETCH=0 turns off decode attention's prefetch of
-# its K/V lines (benchmarks).
+# prefetched bytes per weight row (benchmarks; 0: none), FUSELM_KV_PREFETCH_TILES the K/V tiles per program
+# that decode attention prefetches before its wait (benchmarks; 0: none).
 def _env_count(name: str, default: int) -> int:
     """The environment variable ``name`` as a non-negative int (``default`` when unset); a clear error otherwise."""
     text = os.environ.get(name, "").strip()
@@ -233,7 +233,7 @@ def _env_count(name: str, default: int) -> int:
 use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
 DEPENDENT_MAX_ROWS = _env_count("FUSELM_DEPENDENT_MAX_ROWS", 32)
 weight_prefetch_bytes = _env_count("FUSELM_WEIGHT_PREFETCH", 512)
-kv_prefetch = os.environ.get("FUSELM_KV_PREFETCH", "1") != "0"
+kv_prefetch_tiles = _env_count("FUSELM_KV_PREFETCH_TILES", 2)
 
 
 @functools.cache

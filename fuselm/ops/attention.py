@@ -45,7 +45,7 @@ from fuselm.ops._common import (
     check_same_device,
     check_tensor,
     dependent_launch,
-    kv_prefetch,
+    kv_prefetch_tiles,
     new_output,
     prefetch_to_l2,
     sm_count,
@@ -178,8 +178,10 @@ def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUER
 @triton.jit
 def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
                     stride_kd, stride_vl, stride_vd, HEAD_DIM: tl.constexpr, N_QUERIES: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Every 128-byte line of split ``split``'s K and V positions into L2, from the lengths as they read now.
+                    HAS_WINDOW: tl.constexpr, LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr,
+                    PREFETCH_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Every 128-byte line of the K and V positions of split ``split``'s first PREFETCH_TILES tiles into L2, from
+    the lengths as they read now (the first tiles: the loop's ramp; a whole long row would not stay in L2).
 
     A hint only, so it may run before the wait for the kernel before: L2 is where every SM's reads and writes meet,
     so a line prefetched stale or while written is never wrong, and the lengths are read here at L2 (.cg), leaving
@@ -190,7 +192,7 @@ def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, w
     if split < n_active:
         lines = tl.arange(0, LINES) * LINE_ELEMENTS
         split_lo = lo + split * chunk
-        split_hi = tl.minimum(split_lo + chunk, hi)
+        split_hi = tl.minimum(split_lo + tl.minimum(chunk, PREFETCH_TILES * BLOCK_N), hi)
         for tile in range(split_lo, split_hi, BLOCK_N):
             positions = (tile + tl.arange(0, BLOCK_N)).to(tl.int64)
             mask = (positions < split_hi)[:, None] & (lines < HEAD_DIM)[None, :]
@@ -206,7 +208,7 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_TILES: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
@@ -227,9 +229,10 @@ def _decode_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     k_base = k_ptr + b * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head.to(tl.int64) * stride_vh
-    if PREFETCH_KV:  # (dependent launches only) while the kernel before finishes: this program's K/V lines into L2
+    if PREFETCH_TILES > 0:  # (dependent launches) while the kernel before finishes: its first K/V tiles into L2
         _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
-                        stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, LINE_ELEMENTS, LINES, BLOCK_N)
+                        stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, LINE_ELEMENTS, LINES,
+                        PREFETCH_TILES, BLOCK_N)
     wait_for_previous_kernel(DEPENDENT)
     # q is read before the lengths, by every program, so that its latency overlaps theirs
     q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
@@ -375,7 +378,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     partial_out = new_output((units, n_splits, block_m, block_d), torch.float32, q.device)
     grid = (n_splits, n_kv_heads * row_blocks, batch)
     launch = dependent_launch(q.device, batch * n_queries, prefetch=False)
-    launch["PREFETCH_KV"] = launch["DEPENDENT"] and kv_prefetch
+    launch["PREFETCH_TILES"] = kv_prefetch_tiles if launch["DEPENDENT"] else 0
     line_elements = 128 // q.element_size()  # elements of a 128-byte line (the prefetch's unit)
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),

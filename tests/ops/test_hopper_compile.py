@@ -97,11 +97,11 @@ def _launches_no_config_test_makes():
 
 def _dependent_variants(launches):
     """Per kernel with a DEPENDENT constexpr, its first recorded launch as a dependent launch (which the interpreter
-    never makes): the wait, the release and the prefetches (PREFETCH_LINES, PREFETCH_KV) compiled too."""
+    never makes): the wait, the release and the prefetches (PREFETCH_LINES, PREFETCH_TILES) compiled too."""
     variants = {}
     for launch in launches:
         if "DEPENDENT" in launch["constexprs"] and launch["kernel"] not in variants:
-            on = {"DEPENDENT": True} | {name: value for name, value in (("PREFETCH_LINES", 4), ("PREFETCH_KV", True))
+            on = {"DEPENDENT": True} | {name: value for name, value in (("PREFETCH_LINES", 4), ("PREFETCH_TILES", 2))
                                         if name in launch["constexprs"]}
             variants[launch["kernel"]] = {**launch, "constexprs": {**launch["constexprs"], **on}}
     assert {"_decode_attention_kernel", "_linear_residual_kernel", "_qkv_rope_kernel"} <= set(variants)
