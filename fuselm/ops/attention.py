@@ -161,7 +161,7 @@ def _row_pointers(base, heads, queries, d, stride_h, stride_t, stride_d):
 
 @triton.jit
 def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUERIES: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, LOAD_CACHE: tl.constexpr = ""):
+                    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, LOAD_CACHE: tl.constexpr):
     """Row b's start and end (loaded with the cache modifier LOAD_CACHE), its visible span [lo, hi) of the cache,
     the span's chunk per split (whole K/V tiles) and how many splits have a non-empty chunk."""
     start = tl.maximum(tl.load(starts_ptr + b, cache_modifier=LOAD_CACHE).to(tl.int32), 0)
@@ -238,7 +238,7 @@ def _decode_attention_kernel(
     q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
                 mask=out_mask, other=0.0)
     start, end, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
-                                                          N_QUERIES, HAS_WINDOW, BLOCK_N)
+                                                          N_QUERIES, HAS_WINDOW, BLOCK_N, "")
 
     out_base = out_ptr + b * stride_ob
     out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
