@@ -28,10 +28,10 @@ before reading q), but it never releases the kernel after it early: the o projec
 last splits merge, slowed that merge, the critical path (H100, B = 1 layer step back to back: 168.1 / 167.7 us
 without the early release against 169.9 / 170.0 with it at 512 context, 176.1 / 175.8 against 177.0 at 4096;
 ``fuselm.generate`` at B = 1: 179.5 against 174.3 tok/s; benchmarks/NOTES.md, session 26). Before its wait, each
-program of a dependent launch prefetches its first KV_PREFETCH_TILES K/V tiles into L2 (positions written in earlier
-steps; the lengths read then are only a hint, read again after the wait). H100, alternating runs (session 27):
-``fuselm.generate`` at B = 32 3861-3865 -> 3885-3887 tok/s, at B = 1 174.8 -> 175.0; the B = 1 x 4096 layer step
-back to back 175.8 -> 176.9 us (there the two tiles are a split's whole chunk).
+program of a dependent launch prefetches the first two K/V tiles of its chunk into L2 (FUSELM_KV_PREFETCH_TILES; the
+positions were written in earlier steps, and the lengths read then are only a hint, read again after the wait).
+H100, alternating runs (session 27): ``fuselm.generate`` at B = 32 3861-3865 -> 3885-3887 tok/s, at B = 1 174.8 ->
+175.0; the B = 1 x 4096 layer step back to back 175.8 -> 176.9 us (there the two tiles are a split's whole chunk).
 """
 
 from __future__ import annotations
