@@ -10,7 +10,9 @@
 # (sdpa_layout_probe.py), (FUSELM_TTFT=1) a prefill call's time by host and kernels (ttft_probe.py; FUSELM_TTFT_ARGS
 # go to it, e.g. "--grow-to 8192") and
 # (FUSELM_DECODE=1) the decode benchmark (FUSELM_DECODE_ARGS go to decode_bench.py, e.g.
-# "--only attention --sweep-splits 1 2 3 4") and (FUSELM_GEMM=1) the prefill GEMMs' rate by M and by clocks
+# "--only attention --sweep-splits 1 2 3 4"), (FUSELM_ATTN_CONFIGS=1, run before it) decode attention with every config
+# forced at B = 32's short rows and the tuning table off, so that its own timed picks land in autotune_picks (for
+# tuning_table.py --update), and (FUSELM_GEMM=1) the prefill GEMMs' rate by M and by clocks
 # (gemm_clock_probe.py) and (FUSELM_AB="VAR=a VAR=b", FUSELM_AB_GENERATE=1) the layer step (and generate) under
 # each environment setting, alternating; prints a short table last.
 # FUSELM_REQUIRE=H200 exits 3 at once on any GPU whose name lacks it.
@@ -103,6 +105,10 @@ if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a prefill call's time goes, in a f
     python3 benchmarks/ttft_probe.py --out "$out/ttft-probe$suffix-h200.json" ${probes[$i]} 2>&1 \
       | tee "$out/ttft$suffix.log" | grep -E "event|impl|  fuselm|Error"
   done
+fi
+if [ "${FUSELM_ATTN_CONFIGS:-0}" = 1 ]; then
+  FUSELM_TUNING_TABLE=0 python3 benchmarks/decode_bench.py --only attention --sweep-splits 1 --sweep-attention-configs \
+    --out "$out/decode-attention-configs-h200.json" 2>&1 | tee "$out/decode-attention-configs.log" | tail -n 30
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
