@@ -108,7 +108,7 @@ if [ "${FUSELM_TTFT:-0}" = 1 ]; then  # where a prefill call's time goes, in a f
 fi
 if [ "${FUSELM_ATTN_CONFIGS:-0}" = 1 ]; then
   FUSELM_TUNING_TABLE=0 python3 benchmarks/decode_bench.py --only attention --sweep-splits 1 --sweep-attention-configs \
-    --out "$out/decode-attention-configs-h200.json" 2>&1 | tee "$out/decode-attention-configs.log" | tail -n 30
+    --out "$out/decode-attention-b32-configs-h200.json" 2>&1 | tee "$out/decode-attention-b32-configs.log" | tail -n 30
 fi
 if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
