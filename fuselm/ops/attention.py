@@ -182,8 +182,8 @@ def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUER
 @triton.jit
 def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
                     stride_kd, stride_vl, stride_vd, HEAD_DIM: tl.constexpr, N_QUERIES: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr,
-                    PREFETCH_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, PREFETCH_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """Every 128-byte line of the K and V positions of split ``split``'s first PREFETCH_TILES tiles into L2, from
     the lengths as they read now (the first tiles: the loop's ramp; a whole long row would not stay in L2).
 
@@ -194,7 +194,8 @@ def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, w
     _, _, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
                                                     N_QUERIES, HAS_WINDOW, BLOCK_N, ".cg")
     if split < n_active:
-        lines = tl.arange(0, LINES) * LINE_ELEMENTS
+        per_line: tl.constexpr = 1024 // k_base.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
+        lines = tl.arange(0, (BLOCK_D + per_line - 1) // per_line) * per_line
         split_lo = lo + split * chunk
         split_hi = tl.minimum(split_lo + tl.minimum(chunk, PREFETCH_TILES * BLOCK_N), hi)
         for tile in range(split_lo, split_hi, BLOCK_N):
@@ -213,7 +214,7 @@ def _decode_attention_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-    LINE_ELEMENTS: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Program (split, kv_head * row_blocks + row_block, b) owns BLOCK_M of the GROUP * N_QUERIES query rows
     # of kv head kv_head in batch row b, and chunk `split` of the row's visible span [lo, hi). It reads its
@@ -235,8 +236,8 @@ def _decode_attention_kernel(
     v_base = v_ptr + b * stride_vb + kv_head.to(tl.int64) * stride_vh
     if PREFETCH_TILES > 0:  # (dependent launches) while the kernel before finishes: its first K/V tiles into L2
         _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
-                        stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, LINE_ELEMENTS, LINES,
-                        PREFETCH_TILES, BLOCK_N)
+                        stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, PREFETCH_TILES, BLOCK_D,
+                        BLOCK_N)
     wait_for_previous_kernel(DEPENDENT)
     # q is read before the lengths, by every program, so that its latency overlaps theirs
     q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
@@ -383,14 +384,12 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     grid = (n_splits, n_kv_heads * row_blocks, batch)
     launch = dependent_launch(q.device, batch * n_queries, prefetch=False)
     launch["PREFETCH_TILES"] = kv_prefetch_tiles if launch["DEPENDENT"] else 0
-    line_elements = 128 // q.element_size()  # elements of a 128-byte line (the prefetch's unit)
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),
         scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
-        COMBINE_ROWS=combine_rows, COMBINE_SPLITS=combine_splits,
-        LINE_ELEMENTS=line_elements, LINES=triton.next_power_of_2(triton.cdiv(head_dim, line_elements)), **launch,
+        COMBINE_ROWS=combine_rows, COMBINE_SPLITS=combine_splits, **launch,
     )
     return out
 
