@@ -10,6 +10,10 @@ table lists, per pick, the file it came from; fuselm reads it at the first tunin
 picks keep their sources), so one new run's timed picks replace only the keys it tuned:
 
     python benchmarks/tuning_table.py --update benchmarks/results/tune-decode-h200.json
+
+A table may also hold ``settings``: launch settings measured on that GPU by A/B runs, not by an autotuner (e.g.
+``dependent_max_rows``, each ``{"value", "source"}``), written by hand from those runs' results. Every rewrite keeps
+the shipped table's settings.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def main() -> None:
         table = json.loads(tuning_table_path(gpu).read_text())
     gpu, picks, versions = merged_picks(args.results, {tuple(item.rsplit(":", 1)) for item in args.skip}, table)
     out = tuning_table_path(gpu)
-    out.write_text(json.dumps({"gpu": gpu, "measured_with": versions, "picks": picks}, indent=1) + "\n")
+    settings = json.loads(out.read_text()).get("settings") if out.is_file() else None
+    written = {"gpu": gpu, "measured_with": versions, **({"settings": settings} if settings else {}), "picks": picks}
+    out.write_text(json.dumps(written, indent=1) + "\n")
     print(f"{len(picks)} picks for {gpu} -> {out}")
 
 

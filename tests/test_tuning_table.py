@@ -56,3 +56,19 @@ def test_update_keeps_the_shipped_tables_other_keys(tuning_table, tmp_path):
                              ("k3", (5,)): (8, "new.json")}
     with pytest.raises(SystemExit, match="2 GPU models"):
         tuning_table.merged_picks([results(tmp_path, "other.json", [pick("k", [1], 16)], gpu="GPU B")], set(), shipped)
+
+
+def test_a_rewrite_keeps_the_shipped_tables_settings(tuning_table, tmp_path, monkeypatch):
+    """``settings`` (measured by A/B runs, written by hand) survive an --update and a rewrite from results alone."""
+    table_path = tmp_path / "gpu-a.json"
+    settings = {"dependent_max_rows": {"value": 8, "source": "ab.json"}}
+    table_path.write_text(json.dumps({"gpu": "GPU A", "measured_with": {}, "settings": settings,
+                                      "picks": [{**pick("k1", [1], 16), "source": "old.json"}]}))
+    monkeypatch.setattr(tuning_table, "tuning_table_path", lambda gpu: table_path)
+    new = results(tmp_path, "new.json", [pick("k1", [2], 64)])
+    for argv in (["--update", new], [new]):
+        monkeypatch.setattr("sys.argv", ["tuning_table.py", *argv])
+        tuning_table.main()
+        written = json.loads(table_path.read_text())
+        assert written["settings"] == settings
+        assert ("k1", (2,)) in by_key(written["picks"])

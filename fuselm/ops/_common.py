@@ -215,9 +215,11 @@ def sm_count(device: torch.device) -> int:
 # (benchmarks/NOTES.md, layer step us, session 8): B1 x 512 145.2 -> 139.5, but B32 x 1024 182.6 -> 184.0, and
 # releasing the next kernel at the start instead was slower everywhere; so up to 8 rows then. With today's kernels
 # (session 26, H100, alternating runs) dependent launches at 32 rows took B32 x 1024 from 219.2-219.6 to 216.9-217.0
-# us back to back, and B32's generate from 3933 to 3980 tok/s: launches of up to DEPENDENT_MAX_ROWS rows.
+# us back to back, and B32's generate from 3933 to 3980 tok/s; on the H200 (session 30, alternating runs) they took it
+# from 168.3 to 175.1-175.2 us back to back, and B32's generate from 4880-4883 to 4723-4725 tok/s. So the row limit is
+# a measured per-GPU setting: the GPU's tuning table's ``dependent_max_rows`` (the H200's 8), else DEPENDENT_MAX_ROWS.
 # FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
-# FUSELM_DEPENDENT_MAX_ROWS sets the row limit (benchmarks: the H200's B32 A/B); FUSELM_WEIGHT_PREFETCH sets the
+# FUSELM_DEPENDENT_MAX_ROWS overrides the row limit on every GPU (benchmarks' A/B); FUSELM_WEIGHT_PREFETCH sets the
 # prefetched bytes per weight row (benchmarks; 0: none), FUSELM_KV_PREFETCH_TILES the K/V tiles per program
 # that decode attention prefetches before its wait (benchmarks; 0: none).
 def _env_count(name: str, default: int) -> int:
@@ -231,7 +233,9 @@ def _env_count(name: str, default: int) -> int:
 
 
 use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
-DEPENDENT_MAX_ROWS = _env_count("FUSELM_DEPENDENT_MAX_ROWS", 32)
+DEPENDENT_MAX_ROWS = 32  # on a GPU whose tuning table sets no dependent_max_rows
+dependent_max_rows_override = (_env_count("FUSELM_DEPENDENT_MAX_ROWS", 0)
+                               if os.environ.get("FUSELM_DEPENDENT_MAX_ROWS", "").strip() else None)
 weight_prefetch_bytes = _env_count("FUSELM_WEIGHT_PREFETCH", 512)
 kv_prefetch_tiles = _env_count("FUSELM_KV_PREFETCH_TILES", 2)
 
@@ -241,12 +245,20 @@ def _supports_dependent_launch(device: torch.device) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def dependent_max_rows(device: torch.device) -> int:
+    """The most rows a launch on ``device`` (CUDA) may have and still be dependent: FUSELM_DEPENDENT_MAX_ROWS when
+    set, else the GPU's tuning table's ``dependent_max_rows`` setting, else DEPENDENT_MAX_ROWS."""
+    if dependent_max_rows_override is not None:
+        return dependent_max_rows_override
+    return tuning_settings(device_name(device)).get("dependent_max_rows", DEPENDENT_MAX_ROWS)
+
+
 def dependent_launch(device: torch.device, n_rows: int, prefetch: bool = True) -> dict:
     """The launch keywords of a kernel with a ``DEPENDENT`` constexpr (and, with ``prefetch``, ``PREFETCH_LINES``:
-    128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to DEPENDENT_MAX_ROWS rows where the
-    GPU (sm_90+) and triton support it; off (both 0) elsewhere, the interpreter included."""
-    on = (use_dependent_launch and 0 < n_rows <= DEPENDENT_MAX_ROWS and not INTERPRETING and device.type == "cuda"
-          and _supports_dependent_launch(device))
+    128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to :func:`dependent_max_rows` rows
+    where the GPU (sm_90+) and triton support it; off (both 0) elsewhere, the interpreter included."""
+    on = (use_dependent_launch and n_rows > 0 and not INTERPRETING and device.type == "cuda"
+          and _supports_dependent_launch(device) and n_rows <= dependent_max_rows(device))
     lines = {"PREFETCH_LINES": triton.next_power_of_2(weight_prefetch_bytes // 128) if on and weight_prefetch_bytes
              >= 128 else 0} if prefetch else {}
     return {"DEPENDENT": True, "launch_pdl": True, **lines} if on else {"DEPENDENT": False, **lines}
@@ -364,12 +376,24 @@ def device_name(device: torch.device) -> str:
 
 
 @functools.cache
-def _tuning_table(device_name: str) -> dict[tuple[str, str], dict]:
+def _table_file(device_name: str) -> dict:
+    """The GPU model's shipped table as written (empty where it has none)."""
     path = tuning_table_path(device_name)
-    if not path.is_file():
-        return {}
-    picks = json.loads(path.read_text())["picks"]
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@functools.cache
+def _tuning_table(device_name: str) -> dict[tuple[str, str], dict]:
+    picks = _table_file(device_name).get("picks", [])
     return {(pick["kernel"], json.dumps(pick["key"])): pick["config"] for pick in picks}
+
+
+@functools.cache
+def tuning_settings(device_name: str) -> dict[str, int]:
+    """The launch settings measured on a GPU model, from its table's ``settings`` (each ``{"value", "source"}``; e.g.
+    ``dependent_max_rows``): {name: value}, empty where the table has none. Read with the table on or off
+    (``use_tuning_table`` governs the config picks only)."""
+    return {name: entry["value"] for name, entry in _table_file(device_name).get("settings", {}).items()}
 
 
 def _key_text(key: tuple) -> str:
