@@ -161,8 +161,8 @@ def generate_section(results: dict) -> list[str]:
                        else "") +
                     "Kernels per layer: (a 4-layer model's kernels − a 2-layer one's) / 2 in one eager decode step. "
                     f"First calls: Triton cache {results.get('triton_cache', 'as found')}; fuselm's tuning table "
-                    f"{results.get('tuning_table', 'none (before tables)')}."] + [f"\nNote: {note}"
-                                                                                   for note in results.get("notes", [])]
+                    f"{results.get('tuning_table', 'none (before tables)')}."] + [
+        line for note in results.get("notes", []) for line in ("", f"Note: {note}")]
 
 
 TRAIN_STEPS = {"lora_step": "LoRA", "qlora_step": "QLoRA"}
