@@ -4,11 +4,12 @@ fused LoRA path of a QLoRA model.
 Per projection and step, bitsandbytes' own ``Linear4bit`` forward goes through its module checks, ``matmul_4bit`` and
 an autograd Function, dequantises the weight and runs a GEMM, and its backward dequantises again for another. The
 GPU work is small next to a step's GEMMs, but a QLoRA step at 4096 tokens is host-bound (benchmarks/NOTES.md), and
-that Python runs 7 times per layer each way. Here one Function serves a group: forward dequantises each weight, by
-bitsandbytes' own dequantisation kernel, to the compute dtype and runs one GEMM per projection; backward dequantises
-them again (as bitsandbytes does: the 4-bit weights stay the only copy kept) and accumulates dx in place, one GEMM
-per projection. Arithmetic is bitsandbytes': the same dequantised bf16 weight and a cuBLAS GEMM with fp32
-accumulation. The double-quantised block scales are dequantised once per weight and kept (fp32, one per 64 weights:
+that Python runs 7 times per layer each way. Here one Function serves a group. Forward runs each projection as
+bitsandbytes' forward does: from 0.50 on, its ``gemm_4bit`` op (on CUDA a fused 4-bit kernel at small M, dequantise
+and GEMM above); before, its dequantisation kernel to the compute dtype and one GEMM. Backward dequantises the weights
+again (as bitsandbytes does: the 4-bit weights stay the only copy kept) and accumulates dx in place, one GEMM per
+projection. Arithmetic is bitsandbytes': the same kernels, the same dequantised bf16 weight and a cuBLAS GEMM with
+fp32 accumulation. The double-quantised block scales are dequantised once per weight and kept (fp32, one per 64 weights:
 0.44 GB for Llama-3-8B's layers), where bitsandbytes redoes them on every call. No Triton kernel and no ``fuselm::``
 op: the arguments are bitsandbytes modules, and every piece of work is bitsandbytes' or cuBLAS's.
 
@@ -18,7 +19,8 @@ HBM traffic than the two or three GEMMs it would merge.
 
 Taken only where bitsandbytes' forward would do exactly this: a ``Linear4bit`` with its quantisation state, no bias,
 no hook, compute dtype x's, and more than one row or a gradient wanted (bitsandbytes' single-row inference runs
-its fused GEMV kernel instead), not packed for its CPU kernels.
+its fused GEMV kernel instead), not packed for its CPU kernels, and (from 0.50) double-quantised scales only in the
+blocks of 256 that its ``gemm_4bit`` takes.
 """
 
 from __future__ import annotations
@@ -60,13 +62,34 @@ def _dequantized(layer: nn.Module) -> Tensor:
     return out.t() if weight.shape[0] == 1 else out  # bitsandbytes' packed-transposed layout
 
 
+def _has_gemm_4bit() -> bool:
+    """Whether bitsandbytes' forward runs its ``gemm_4bit`` op (0.50 and later) rather than dequantise + GEMM."""
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
+
+
+def _gemm_4bit(x: Tensor, layer: nn.Module) -> Tensor:
+    """x [..., K] -> x Wᵀ [..., N] through bitsandbytes' ``gemm_4bit`` op, called as its ``matmul_4bit`` calls it
+    (the nested scales dequantised in the op; :func:`takes_nf4_group` checks that bitsandbytes supports them)."""
+    weight = layer.weight
+    state = weight.quant_state
+    packed = weight.view(-1, 1)
+    if not state.nested:
+        return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, state.shape, state.absmax, state.blocksize,
+                                                        state.quant_type)
+    return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, state.shape, state.state2.absmax, state.blocksize,
+                                                    state.quant_type, absmax_8bit=state.absmax,
+                                                    absmax_code=state.state2.code, absmax_offset=state.offset)
+
+
 class _Nf4Group(torch.autograd.Function):
     """x [..., K] -> per layer x W_iᵀ [..., N_i]: one GEMM per projection each way (dx only; the base is frozen)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, *layers: nn.Module):
-        rows = as_rows(x)
         ctx.layers, ctx.x_shape = layers, x.shape
+        if _has_gemm_4bit() and x.numel():
+            return tuple(_gemm_4bit(x, layer) for layer in layers)
+        rows = as_rows(x)
         return tuple((rows @ _dequantized(layer).t()).view(*x.shape[:-1], layer.out_features) for layer in layers)
 
     @staticmethod
@@ -91,6 +114,7 @@ def takes_nf4_group(layer: nn.Module, x: Tensor) -> bool:
     return (state is not None and layer.bias is None
             and getattr(layer, "compute_dtype", None) in (None, x.dtype) and state.dtype == x.dtype
             and not getattr(state, "packing_format_for_cpu", False)
+            and not (state.nested and _has_gemm_4bit() and state.state2.blocksize != 256)  # bitsandbytes refuses those
             and (x.numel() != x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)))
 
 

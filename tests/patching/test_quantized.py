@@ -107,6 +107,18 @@ def test_calls_left_to_bitsandbytes(case):
     assert not quantized.takes_nf4_group(torch.nn.Linear(64, 64, device=DEVICE), x)
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.bitsandbytes, "gemm_4bit"),
+                    reason="before 0.50 bitsandbytes dequantises any double-quantised weight itself")
+def test_double_quantised_scales_that_bitsandbytes_refuses():
+    """bitsandbytes' gemm_4bit takes double-quantised scales in blocks of 256 only (else NotImplementedError): such a
+    layer is left to bitsandbytes, which raises its own error."""
+    layer = _nf4_linear(64, 64)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert quantized.takes_nf4_group(layer, x)
+    layer.weight.quant_state.state2.blocksize = 128
+    assert not quantized.takes_nf4_group(layer, x)
+
+
 def test_patched_qlora_step_takes_one_node_per_group(tmp_path, monkeypatch):
     """Through the fused LoRA path (Triton's interpreter on CPU), every layer's 4 projection groups take the grouped
     4-bit path, and the first step's adapter gradients match the same patched model with bitsandbytes' own calls."""
