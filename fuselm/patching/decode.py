@@ -205,18 +205,21 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
     return _after_attention(layer, facts, attended.transpose(1, 2).reshape(batch, seq_len, -1), hidden)
 
 
-def _after_attention(layer: nn.Module, facts: AttentionFacts, attended: Tensor, hidden: Tensor) -> Tensor:
+def _after_attention(layer: nn.Module, facts: AttentionFacts, attended: Tensor, hidden: Tensor,
+                     add_branch=None) -> Tensor:
     """The rest of a fused decoder layer: attended [B, T, Hq·D] (attention's output), hidden [B, T, hidden] (the
     residual stream into the layer) -> the new stream. Each residual add runs in its projection (``linear_residual``:
     a weight-streaming kernel at small M, ``torch.addmm`` with the add in cuBLAS's epilogue at large M), so the norm
-    after it reads one tensor."""
+    after it reads one tensor. Sandwich norms need the whole branch first: their last add is ``add_branch(branch,
+    residual)`` (None: ``residual + branch``)."""
     attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
     if spec.sandwich_norms:
         branch = layer.post_attention_layernorm(_project(getattr(attention, facts.output), attended, None))
         mlp_in, residual = add_then_norm(layer.pre_feedforward_layernorm, branch, hidden)
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
-        return residual + layer.post_feedforward_layernorm(out)
+        branch = layer.post_feedforward_layernorm(out)
+        return residual + branch if add_branch is None else add_branch(branch, residual)
     residual = _project(getattr(attention, facts.output), attended, hidden)
     gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm)
     if gated is None:
@@ -229,11 +232,12 @@ def prefill_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cac
     """A fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill): hidden [B, T, hidden] (the
     residual stream) -> the new stream. The input norm, :func:`prefill_attention`, then the layer's rest as a decode
     step runs it, at this M on cuBLAS: o and down as ``addmm`` with the residual in their epilogue, and the norms
-    after them as plain RMSNorms (a fused add + norm would read two tensors and write two). Arguments as
+    after them as plain RMSNorms (a fused add + norm would read two tensors and write two). With sandwich norms
+    (Gemma 2/3) the last add is fused with the next layer's input norm, as the layer's HF path does. Arguments as
     :func:`prefill_attention`'s."""
     attended = prefill_attention(layer, layer.input_layernorm(hidden), cos, sin, cache, position_ids, facts,
                                  attention_mask)
-    return _after_attention(layer, facts, attended, hidden)
+    return _after_attention(layer, facts, attended, hidden, add_branch=layer._add_and_prime)
 
 
 def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor, cache,
