@@ -202,7 +202,6 @@ class DecodeEngine:
     def __init__(self, model: nn.Module):
         self._model = weakref.ref(model)
         self._buckets: dict[int, _Bucket] = {}
-        self._pool = None  # one CUDA-graph memory pool for every bucket's graphs (they never replay concurrently)
         self._cache_keyword = _cache_keyword(model)
         self.captures = 0  # decode steps captured so far (tests and benchmarks read it)
         self.prefill_captures = 0  # prefills captured so far
@@ -352,10 +351,16 @@ class DecodeEngine:
         return captured
 
     def _graph_pool(self):
-        """One CUDA-graph memory pool for every graph of this engine (they never replay concurrently)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
+        """The CUDA-graph memory pool every graph of this engine shares (they never replay concurrently): a live
+        graph's, or a new one when none lives. A pool lives only while a graph captured into it does: once its last
+        graph is freed (its bucket's cache grown, its graphs cleared or least recently used), a capture into its
+        old handle fails the caching allocator's assert, and left the CUDA generator mid-capture (session 31)."""
+        for bucket in self._buckets.values():
+            for graph in bucket.graphs.values():
+                return graph.pool()
+            for prefill in bucket.prefills.graphs.values():
+                return prefill.graph.pool()
+        return torch.cuda.graph_pool_handle()
 
     def _decode_step(self, bucket: _Bucket, options: DecodeOptions) -> None:
         """One decode step on the bucket's buffers: the model over each row's last token, then the choice.

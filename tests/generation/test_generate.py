@@ -443,6 +443,28 @@ def test_prefill_graph_replays_the_eager_prefill(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_captures_after_the_engines_last_graph_was_freed():
+    """A longer prompt grows the bucket's cache and frees its graphs, here the engine's only ones: the next captures
+    (the prefill at the length's second call, then the decode step) take a memory pool that lives, and the CUDA
+    generator works after them. The freed pool's handle failed PyTorch's allocator assert (session 31)."""
+    model = decode_model("llama", torch.bfloat16)
+    fuselm.patch(model)
+    engine = engine_of(model)
+    fused_generate(model, token_ids(1, 5), None, max_new_tokens=4, do_sample=False)
+    assert engine.captures == 1
+    longer = token_ids(1, engine_module.CACHE_GRANULE + 4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be captured", category=RuntimeWarning)
+        for _ in range(2):
+            fused_generate(model, longer, None, max_new_tokens=1, do_sample=False)
+        assert engine.prefill_captures == 1
+        fused_generate(model, longer, None, max_new_tokens=4, do_sample=False)
+    assert engine.captures == 2
+    assert torch.isfinite(torch.randn(4, device=model.device)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_decode_step_profile_names_fuselm_ops():
     model, engine, bucket, options, _ = _decoded_bucket("llama", torch.bfloat16, max_new_tokens=3, do_sample=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
