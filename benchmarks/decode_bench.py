@@ -290,11 +290,10 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, imp
 PREFILL_TOKENS, SMOKE_PREFILL_TOKENS = (2048,), (24,)  # above DECODE_MAX_TOKENS: the fused prefill attention
 PREFILL_FORMULA = ("bound_us = gemm_us (the layer's 7 projections alone, F.linear at M = T) + sdpa_us (causal SDPA "
                    "alone, GQA) + elementwise bytes / copy_gbps, the elementwise bytes being each unavoidable pass's "
-                   "reads and writes, bf16: input norm 2 M H, RoPE 2 M (Hq + Hkv) D, post-attention norm 2 M H, gated "
-                   "activation 3 M I, each residual read in its projection's epilogue 2 M H (session 31; before it the "
-                   "adds were passes of their own: residual add + norm 4 M H, residual add 3 M H); pct_of_bound = "
-                   "bound_us / us (the issue's target: >= 97 %, i.e. within 3 %); us: median CUDA-graph replay of the "
-                   "layer's forward over T new tokens (no cache, causal)")
+                   "reads and writes, bf16: input norm 2 M H, RoPE 2 M (Hq + Hkv) D, residual add + norm 4 M H, "
+                   "gated activation 3 M I, residual add 3 M H; pct_of_bound = bound_us / us (the issue's target: "
+                   ">= 97 %, i.e. within 3 %); us: median CUDA-graph replay of the layer's forward over T new tokens "
+                   "(no cache, causal)")
 
 
 # fuselm: the patched layer with no cache (HF's attention, fuselm's norms and RoPE); fuselm_cache: the patched layer
@@ -328,8 +327,8 @@ def _prefill_rows(layer: LlamaDecoderLayer, config: LlamaConfig, tokens: int, co
         gemm_us = median_ms(captured(lambda: [F.linear(x, p.weight) for x, p in zip(inputs, projections)])) * 1e3
         sdpa_us = median_ms(captured(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))) * 1e3
-    elementwise = BF16.itemsize * tokens * (2 * hidden_size + 2 * (heads + kv_heads) * head_dim + 2 * hidden_size
-                                            + 3 * inter + 2 * hidden_size)
+    elementwise = BF16.itemsize * tokens * (2 * hidden_size + 2 * (heads + kv_heads) * head_dim + 4 * hidden_size
+                                            + 3 * inter + 3 * hidden_size)
     bound_us = gemm_us + sdpa_us + elementwise / (copy * GB) * 1e6
     rows, held = [], {}
     cache = FusedKVCache(config, batch_size=1, max_cache_len=tokens, dtype=BF16, device=device)

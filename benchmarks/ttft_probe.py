@@ -128,10 +128,7 @@ def phases(call, repeats: int) -> dict:
 
 def host_parts(model) -> list[tuple[str, object, str]]:
     """(label, owner, attribute) of the functions ``--host-parts`` times: the model's decoder layer class and what
-    its prefill calls (looked up where the caller finds them, so a wrapper there is what runs). The fused prefill
-    (``decode.prefill_step``) calls the input norm, the attention block, ``_project`` (o and down with the residual)
-    and ``_mlp_hidden`` (norm, gate/up, activation); the prefill with the fused attention off, HF's layer path (the
-    add+norm, the MLP module, the add primed with the next norm)."""
+    its prefill calls (looked up where the caller finds them, so a wrapper there is what runs)."""
     from fuselm.patching import decode, modules
 
     layer = model.model.layers[0]
@@ -139,7 +136,6 @@ def host_parts(model) -> list[tuple[str, object, str]]:
             ("  input norm", type(layer.input_layernorm), "forward"),
             ("  attention block", decode, "prefill_attention"), ("    q/k/v (_queries)", decode, "_queries"),
             ("      qkv_rope op", decode, "qkv_rope"), ("    sdpa", decode, "sdpa_attention_forward"),
-            ("  o, down + residual", decode, "_project"), ("  norm, gate/up, act", decode, "_mlp_hidden"),
             ("  add+norm", modules, "add_then_norm"), ("  mlp", type(layer.mlp), "forward"),
             ("  add+prime", type(layer), "_add_and_prime"), ("nn.Linear (all)", torch.nn.Linear, "forward")]
 

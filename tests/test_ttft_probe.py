@@ -36,12 +36,7 @@ def test_smoke_run_writes_a_row_per_path(monkeypatch, tmp_path):
             continue
         parts = row["host_parts"]
         assert parts["layer"]["calls"] == 2 and parts["nn.Linear (all)"]["calls"] > 0
-        assert parts["layer"]["ms"] >= parts["  input norm"]["ms"] > 0
-        if row["prefill"] == "fused attention":  # prefill_step: o and down per layer, then the MLP's first half
-            assert parts["  o, down + residual"]["calls"] == 4 and parts["  norm, gate/up, act"]["calls"] == 2
-            assert parts["layer"]["ms"] >= parts["  attention block"]["ms"] > 0
-        else:  # HF's attention, and the layer's own path around it
-            assert parts["  mlp"]["calls"] == 2 and parts["  add+norm"]["calls"] == 2
+        assert parts["layer"]["ms"] >= parts["  mlp"]["ms"] > 0
 
 
 def test_a_batch_of_prompts_prefills_together(monkeypatch, tmp_path):

@@ -20,11 +20,11 @@ The layer that owns layer index 0 opens each step on the cache (``ends += T``; `
 position ids, so left padding is skipped; the slots the step writes): all device work, no host sync, and no
 shape that depends on the lengths, so the step can be captured in a CUDA graph.
 
-A longer forward into an empty cache (the prefill, with HF's ``sdpa`` attention) runs the same five steps at large M
-(:func:`prefill_step`): ``qkv_rope`` runs cuBLAS GEMMs and one epilogue kernel that writes q and the keys and values
-straight into the cache's first T slots, and HF's SDPA attention function reads them there (so the prefill has no
-RoPE kernel and no copy into the cache); o and down run as cuBLAS ``addmm`` with the residual add in their epilogue,
-gate/up as cuBLAS GEMMs and fuselm's activation kernel, and the norms as fuselm's RMSNorm.
+A longer forward into an empty cache (the prefill, with HF's ``sdpa`` attention) keeps the layer's large-M path
+(cuBLAS GEMMs, fuselm's add+norm and activation kernels) but fuses its attention block (:func:`prefill_attention`):
+``qkv_rope`` runs cuBLAS GEMMs and one epilogue kernel that writes q and the keys and values straight into the
+cache's first T slots, and HF's SDPA attention function reads them there, so the prefill has no RoPE kernel and no
+copy into the cache.
 """
 
 from __future__ import annotations
@@ -202,24 +202,14 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
     starts, ends = cache.lengths(index)
     attended = decode_attention(q, k_cache, v_cache, starts, ends, scale=facts.scaling,
                                 softcap=facts.softcap or 0.0, window=facts.sliding_window or 0)
-    return _after_attention(layer, facts, attended.transpose(1, 2).reshape(batch, seq_len, -1), hidden)
-
-
-def _after_attention(layer: nn.Module, facts: AttentionFacts, attended: Tensor, hidden: Tensor,
-                     add_branch=None) -> Tensor:
-    """The rest of a fused decoder layer: attended [B, T, Hq·D] (attention's output), hidden [B, T, hidden] (the
-    residual stream into the layer) -> the new stream. Each residual add runs in its projection (``linear_residual``:
-    a weight-streaming kernel at small M, ``torch.addmm`` with the add in cuBLAS's epilogue at large M), so the norm
-    after it reads one tensor. Sandwich norms need the whole branch first: their last add is ``add_branch(branch,
-    residual)`` (None: ``residual + branch``)."""
+    attended = attended.transpose(1, 2).reshape(batch, seq_len, -1)
     attention, mlp, spec = layer.self_attn, layer.mlp, layer._fuselm_layer
     if spec.sandwich_norms:
         branch = layer.post_attention_layernorm(_project(getattr(attention, facts.output), attended, None))
         mlp_in, residual = add_then_norm(layer.pre_feedforward_layernorm, branch, hidden)
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
-        branch = layer.post_feedforward_layernorm(out)
-        return residual + branch if add_branch is None else add_branch(branch, residual)
+        return residual + layer.post_feedforward_layernorm(out)
     residual = _project(getattr(attention, facts.output), attended, hidden)
     gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm)
     if gated is None:
@@ -227,28 +217,15 @@ def _after_attention(layer: nn.Module, facts: AttentionFacts, attended: Tensor, 
     return _project(getattr(mlp, mlp._fuselm_mlp.output), gated, residual)
 
 
-def prefill_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
-                 facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
-    """A fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill): hidden [B, T, hidden] (the
-    residual stream) -> the new stream. The input norm, :func:`prefill_attention`, then the layer's rest as a decode
-    step runs it, at this M on cuBLAS: o and down as ``addmm`` with the residual in their epilogue, and the norms
-    after them as plain RMSNorms (a fused add + norm would read two tensors and write two). With sandwich norms
-    (Gemma 2/3) the last add is fused with the next layer's input norm, as the layer's HF path does. Arguments as
-    :func:`prefill_attention`'s."""
-    attended = prefill_attention(layer, layer.input_layernorm(hidden), cos, sin, cache, position_ids, facts,
-                                 attention_mask)
-    return _after_attention(layer, facts, attended, hidden, add_branch=layer._add_and_prime)
-
-
 def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor, cache,
                       position_ids: Tensor | None, facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
-    """The attention of a fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill):
-    normed [B, T, hidden] (the input norm's output) -> attention's output [B, T, Hq·D], before the o projection.
+    """The attention block of a fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill):
+    normed [B, T, hidden] (the input norm's output) -> o_proj(attention) [B, T, hidden].
 
     q/k/v as :func:`decode_step` computes them (at this M: cuBLAS GEMMs and one epilogue kernel that writes q and
     the cache's slots 0 .. T - 1), then HF's ``sdpa`` attention function over those slots, with the mask HF built
     for this layer (attention_mask: [B, 1, T, T], sized by the cache's ``get_mask_sizes``, or None: causal, no
-    padding), so is_causal, GQA and the mask are handled as for HF's own attention.
+    padding), so is_causal, GQA and the mask are handled as for HF's own attention; then the o projection module.
     """
     attention = layer.self_attn
     index = attention.layer_idx
@@ -259,4 +236,4 @@ def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor
     k_cache, v_cache = cache.buffers(index)
     attended, _ = sdpa_attention_forward(attention, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
                                          attention_mask, dropout=0.0, scaling=facts.scaling)
-    return attended.reshape(batch, seq_len, -1)
+    return getattr(attention, facts.output)(attended.reshape(batch, seq_len, -1))

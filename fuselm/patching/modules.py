@@ -202,17 +202,18 @@ class FusedDecoderLayer:
 
             cos, sin = kwargs["position_embeddings"]
             return decode_step(self, hidden_states, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts)
-        if phase == "prefill":
-            from fuselm.patching.decode import prefill_step
-
-            cos, sin = kwargs["position_embeddings"]
-            return prefill_step(self, hidden_states, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts,
-                                kwargs.get("attention_mask"))
         for name, default in spec.attention_defaults:
             kwargs.setdefault(name, default)
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
-        attn_out = self.self_attn(hidden_states=normed, **kwargs)[0]
+        if phase == "prefill":
+            from fuselm.patching.decode import prefill_attention
+
+            cos, sin = kwargs["position_embeddings"]
+            attn_out = prefill_attention(self, normed, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts,
+                                         kwargs.get("attention_mask"))
+        else:
+            attn_out = self.self_attn(hidden_states=normed, **kwargs)[0]
         if spec.sandwich_norms:
             attn_out = self.post_attention_layernorm(attn_out)
             mlp_norm = self.pre_feedforward_layernorm
