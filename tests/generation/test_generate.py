@@ -337,6 +337,34 @@ def test_prefill_graphs_capture_a_repeated_length_and_keep_the_recent_ones():
     assert graphs.graphs == {} and graphs.lookup(11) == (None, False) and graphs.lookup(11) == (None, True)
 
 
+def test_captures_share_a_live_graphs_pool(monkeypatch):
+    """The pool a capture joins: a live graph's (any bucket's decode steps, then its prefills), else a new handle, as
+    a pool dies with its last graph (test_captures_after_the_engines_last_graph_was_freed runs it on the GPU)."""
+
+    class Graph:
+        def __init__(self, pool):
+            self._pool = pool
+
+        def pool(self):
+            return self._pool
+
+    model = decode_model("llama")
+    fuselm.patch(model)
+    fused_generate(model, token_ids(1, 5), None, max_new_tokens=2, do_sample=False)  # one bucket (no graphs on CPU)
+    engine = engine_of(model)
+    handles = iter(range(100, 200))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    assert (engine._graph_pool(), engine._graph_pool()) == (100, 101)
+    bucket = engine._buckets[1]
+    bucket.prefills.keep("a length", engine_module._PrefillGraph(Graph(7), None, None, None, None))
+    assert engine._graph_pool() == 7
+    bucket.graphs["a mode"] = Graph(5)
+    assert engine._graph_pool() == 5
+    bucket.graphs.clear()
+    bucket.prefills.clear()
+    assert engine._graph_pool() == 102
+
+
 def test_engine_is_freed_with_the_model():
     model = decode_model("llama")
     ids, mask = left_padded()
