@@ -219,6 +219,11 @@ class FusedKVCache(StaticCache):
     (starts, ends), each [B] int32, valid slots ``starts[b] <= s < ends[b]`` (``lengths(i)``: the copy on layer
     ``i``'s device, when the layers are on several devices). Call ``plan(attention_mask)``
     before each new batch of prompts (``generate`` does not: a cache with tokens in it is continued).
+
+    ``last_position_only`` (default False) is set by fuselm's engine around a prefill whose caller reads only each
+    row's last logits: the model's last fused decoder layer then writes the keys and values of every position but
+    computes its attention output, MLP and result for the last position alone, so the forward's last hidden state
+    is [B, 1, hidden].
     """
 
     def __init__(self, model_or_config, batch_size: int, max_cache_len: int, *, dtype: torch.dtype | None = None,
@@ -253,6 +258,7 @@ class FusedKVCache(StaticCache):
         self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=devices[0])  # slot offsets of a step
         self.step_slots = self._offsets[:0].expand(batch_size, 0)
         self._host = HostFill()
+        self.last_position_only = False
         # layers on other devices than layer 0 read copies of the lengths, refreshed after every change
         self._mirrors = {d: torch.zeros_like(self._row_lengths, device=d) for d in dict.fromkeys(devices[1:])
                          if d != devices[0]}

@@ -144,6 +144,9 @@ class _Bucket:
         self.state = ChoiceState(batch, vocab, max_cache_len, model.device)
         self.rotary = RotaryTables(model, max_cache_len)
         self.positions = torch.arange(max_cache_len, device=self.cache.device)  # an unpadded row's position ids
+        # a prefill's logits_to_keep: the last position as an index, which HF's causal LMs gather whether the last
+        # layer returned every position or, with the cache's last_position_only, that one alone
+        self.last_position = None if self.cache.spans_devices else torch.tensor([-1], device=self.cache.device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.prefills = PrefillGraphs()
         self.fingerprint: tuple | None = None
@@ -285,9 +288,15 @@ class DecodeEngine:
         return bucket
 
     def _forward(self, ids: Tensor, positions: Tensor, cache: FusedKVCache, mask: Tensor | None,
-                 implementation: str | None = None) -> Tensor:
+                 implementation: str | None = None, last_position: Tensor | None = None) -> Tensor:
         """The model over ``ids`` [B, T] at ``positions`` [B, T], writing ``cache``; the last logits [B, V], in the
         model's dtype (the choice casts them to fp32 where HF's processors would).
+
+        ``last_position``: a prefill's (the bucket's ``last_position``, [-1] on the cache's device) or None (a
+        decode step: one position). Given, it is the forward's ``logits_to_keep`` and the cache's
+        ``last_position_only`` is set meanwhile, so the model's last decoder layer computes its attention output
+        and MLP for the last position alone (its keys and values for all): 1/L of the prefill's GEMMs and attention
+        less, for L layers.
 
         ``implementation``: the attention the config names during the forward, one HF builds no mask for
         (``UNMASKED`` for a decode step, whose fused layers read none; ``CAUSAL_PREFILL`` for a prefill that
@@ -298,12 +307,15 @@ class DecodeEngine:
         config = self.model.config
         named = config._attn_implementation
         config._attn_implementation = implementation or named
+        cache.last_position_only = last_position is not None
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                 logits_to_keep=1, **{self._cache_keyword: cache})
+                                 logits_to_keep=1 if last_position is None else last_position,
+                                 **{self._cache_keyword: cache})
         finally:
             config._attn_implementation = named
+            cache.last_position_only = False
         return out.logits[:, -1, :]
 
     def _prefill(self, bucket: _Bucket, ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
@@ -316,13 +328,13 @@ class DecodeEngine:
                           else None)
         if (mask is not None or cache.device.type != "cuda" or cache.spans_devices
                 or ids.numel() > PREFILL_GRAPH_TOKENS):
-            return self._forward(ids, positions, cache, mask, implementation)
+            return self._forward(ids, positions, cache, mask, implementation, bucket.last_position)
         key = (length, named)
         graph, capture = bucket.prefills.lookup(key)
         if capture:
             graph = self._capture_prefill(bucket, key, ids, positions, implementation)
         if graph is None:
-            return self._forward(ids, positions, cache, None, implementation)
+            return self._forward(ids, positions, cache, None, implementation, bucket.last_position)
         return graph.replay(ids, positions, cache)
 
     def _capture_prefill(self, bucket: _Bucket, key: Hashable, ids: Tensor, positions: Tensor,
@@ -336,7 +348,8 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool()):
-                logits = self._forward(static_ids, static_positions, cache, None, implementation)
+                logits = self._forward(static_ids, static_positions, cache, None, implementation,
+                                       bucket.last_position)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager prefill, which is correct
             torch.cuda.synchronize(cache.device)
             cache.restore_host_fill(fill)

@@ -218,14 +218,18 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
 
 
 def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor, cache,
-                      position_ids: Tensor | None, facts: AttentionFacts, attention_mask: Tensor | None) -> Tensor:
+                      position_ids: Tensor | None, facts: AttentionFacts, attention_mask: Tensor | None,
+                      last_only: bool = False) -> Tensor:
     """The attention block of a fused decoder layer's forward of T tokens into an empty ``cache`` (the prefill):
-    normed [B, T, hidden] (the input norm's output) -> o_proj(attention) [B, T, hidden].
+    normed [B, T, hidden] (the input norm's output) -> o_proj(attention) [B, T, hidden], or [B, 1, hidden] for the
+    last position alone when ``last_only``.
 
     q/k/v as :func:`decode_step` computes them (at this M: cuBLAS GEMMs and one epilogue kernel that writes q and
     the cache's slots 0 .. T - 1), then HF's ``sdpa`` attention function over those slots, with the mask HF built
     for this layer (attention_mask: [B, 1, T, T], sized by the cache's ``get_mask_sizes``, or None: causal, no
     padding), so is_causal, GQA and the mask are handled as for HF's own attention; then the o projection module.
+    With ``last_only`` the last query attends (the mask's last row; with no mask, a single query is not causal in
+    HF's function and sees every slot, as the causal mask's last row does), and o projects that row alone.
     """
     attention = layer.self_attn
     index = attention.layer_idx
@@ -233,7 +237,10 @@ def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor
     if index == 0:
         cache.open_step(seq_len, position_ids)
     q = _queries(layer, facts, normed, cos, sin, cache, index, normed=True)
+    if last_only:
+        q = q[:, :, -1:]
+        attention_mask = None if attention_mask is None else attention_mask[..., -1:, :]
     k_cache, v_cache = cache.buffers(index)
     attended, _ = sdpa_attention_forward(attention, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
                                          attention_mask, dropout=0.0, scaling=facts.scaling)
-    return getattr(attention, facts.output)(attended.reshape(batch, seq_len, -1))
+    return getattr(attention, facts.output)(attended.reshape(batch, q.shape[2], -1))

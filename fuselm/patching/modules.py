@@ -206,14 +206,17 @@ class FusedDecoderLayer:
             kwargs.setdefault(name, default)
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
+        last_only = self._last_position_only(kwargs)
         if phase == "prefill":
             from fuselm.patching.decode import prefill_attention
 
             cos, sin = kwargs["position_embeddings"]
             attn_out = prefill_attention(self, normed, cos, sin, _cache_of(kwargs), kwargs.get("position_ids"), facts,
-                                         kwargs.get("attention_mask"))
+                                         kwargs.get("attention_mask"), last_only=last_only)
         else:
             attn_out = self.self_attn(hidden_states=normed, **kwargs)[0]
+        if last_only:  # the caller reads the last position alone: the rest of the layer runs for it only
+            attn_out, residual = attn_out[:, -1:], residual[:, -1:]
         if spec.sandwich_norms:
             attn_out = self.post_attention_layernorm(attn_out)
             mlp_norm = self.pre_feedforward_layernorm
@@ -252,6 +255,14 @@ class FusedDecoderLayer:
                 and cache.starts_empty(self.self_attn.layer_idx)):
             return "prefill", facts
         return None, None
+
+    def _last_position_only(self, kwargs: dict) -> bool:
+        """Whether this is the last decoder layer of a forward over a FusedKVCache whose ``last_position_only`` is
+        set (fuselm's engine reads only each row's last logits): its keys and values are still written for every
+        position, and its output is [B, 1, hidden]. Checked after the decode phase, which keeps its T rows."""
+        cache = _cache_of(kwargs)
+        return (getattr(cache, "last_position_only", False) is True
+                and getattr(self.self_attn, "layer_idx", None) == len(cache.layers) - 1)
 
     def _residual_branch(self, branch: Tensor, index: int) -> Tensor:
         dropouts = self._fuselm_layer.residual_dropouts

@@ -81,6 +81,30 @@ def test_greedy_tokens_and_logits_match_hf(name, path):
         assert rel_err(got, want) <= 1e-5, f"step {step}"
 
 
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_a_long_prefills_last_layer_runs_for_the_last_position(name, path):
+    """A left-padded prompt longer than DECODE_MAX_TOKENS: the loop reads only the prefill's last logits, so the
+    last decoder layer's MLP runs for each row's last position alone (every other layer's for all 20), and the
+    tokens and logits are HF's; the cache's flag is down again after the call."""
+    from fuselm.patching.modules import FusedGatedMLP
+
+    model = decode_model(name)
+    ids, mask = left_padded(prompt=20)
+    asked = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    expected = hf_generate(model, ids, mask, **asked)
+    fuselm.patch(model)
+    with mock.patch.object(FusedGatedMLP, "forward", autospec=True, side_effect=FusedGatedMLP.forward) as forward:
+        out = fused_generate(model, ids, mask, **asked)
+    layers = model.model.layers
+    rows = {layer: [x.shape[1] for mlp, x in (c.args for c in forward.call_args_list) if mlp is layer.mlp]
+            for layer in layers}
+    assert all(rows[layer] == [20] for layer in layers[:-1]) and rows[layers[-1]] == [1]
+    assert torch.equal(out.sequences, expected.sequences)
+    for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
+        assert rel_err(got, want) <= 1e-5, f"step {step}"
+    assert not engine_of(model)._buckets[4].cache.last_position_only
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_patched_model_generate_runs_the_loop(name):
     """A patched model's own generate takes fuselm's loop (and its second call reuses the bucket), with HF's

@@ -131,6 +131,33 @@ def test_decode_steps_match_hf_layers(name, prompt, path):
     assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned=True)
 
 
+@pytest.mark.parametrize("prompt", [9, 20], ids=["decode-prefill", "sdpa-prefill"])
+@pytest.mark.parametrize("name", FUSED_LAYERS)
+def test_last_position_only_prefill(name, prompt, path):
+    """With the cache's ``last_position_only`` (set by fuselm's engine, which reads only the last logits), a prefill
+    longer than DECODE_MAX_TOKENS returns the last position alone: the last layer runs its attention output and MLP
+    for it only. That position's hidden state equals HF's, and so does every layer's cache, the last layer's keys
+    and values at every position included. A shorter prompt (the fused decode step) keeps its T positions."""
+    model = decode_model(name)
+    ids, mask = left_padded(prompt)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    hf_cache = new_cache(model, mask)
+    with fuselm.use_backend("reference"), torch.no_grad():
+        expected = model.model(**inputs, **{CACHE_ARG: hf_cache}).last_hidden_state
+    fuselm.patch(model)
+    try:
+        fused_cache = new_cache(model, mask, poisoned=True)
+        fused_cache.last_position_only = True
+        with torch.no_grad():
+            hidden = model.model(**inputs, **{CACHE_ARG: fused_cache}).last_hidden_state
+    finally:
+        fuselm.unpatch(model)
+    assert hidden.shape == (len(PADS), 1 if prompt > decode.DECODE_MAX_TOKENS else prompt, model.config.hidden_size)
+    assert rel_err(hidden[:, -1], expected[:, -1]) <= 1e-5
+    assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned=True)
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])
 def test_tokens_match_hf_static_cache(name):
     model = decode_model(name)
