@@ -82,10 +82,11 @@ def test_greedy_tokens_and_logits_match_hf(name, path):
 
 
 @pytest.mark.parametrize("name", FUSED_LAYERS)
-def test_a_long_prefills_last_layer_runs_for_the_last_position(name, path):
+def test_a_long_prefills_last_layer_runs_for_the_last_position(name):
     """A left-padded prompt longer than DECODE_MAX_TOKENS: the loop reads only the prefill's last logits, so the
     last decoder layer's MLP runs for each row's last position alone (every other layer's for all 20), and the
-    tokens and logits are HF's; the cache's flag is down again after the call."""
+    tokens and logits are HF's; the cache's flag is down again after the call. On the reference ops: the layer's
+    kernels on that path are checked in tests/patching/test_decode.py (``test_last_position_only_prefill``)."""
     from fuselm.patching.modules import FusedGatedMLP
 
     model = decode_model(name)
@@ -93,7 +94,8 @@ def test_a_long_prefills_last_layer_runs_for_the_last_position(name, path):
     asked = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
     expected = hf_generate(model, ids, mask, **asked)
     fuselm.patch(model)
-    with mock.patch.object(FusedGatedMLP, "forward", autospec=True, side_effect=FusedGatedMLP.forward) as forward:
+    with (fuselm.use_backend("reference"),
+          mock.patch.object(FusedGatedMLP, "forward", autospec=True, side_effect=FusedGatedMLP.forward) as forward):
         out = fused_generate(model, ids, mask, **asked)
     layers = model.model.layers
     rows = {layer: [x.shape[1] for mlp, x in (c.args for c in forward.call_args_list) if mlp is layer.mlp]
