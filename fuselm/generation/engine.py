@@ -295,8 +295,8 @@ class DecodeEngine:
         ``last_position``: a prefill's (the bucket's ``last_position``, [-1] on the cache's device) or None (a
         decode step: one position). Given, it is the forward's ``logits_to_keep`` and the cache's
         ``last_position_only`` is set meanwhile, so the model's last decoder layer computes its attention output
-        and MLP for the last position alone (its keys and values for all): 1/L of the prefill's GEMMs and attention
-        less, for L layers.
+        and MLP for the last position alone (its keys and values for all): nearly 1/L of the prefill's GEMMs and
+        attention less, for L layers.
 
         ``implementation``: the attention the config names during the forward, one HF builds no mask for
         (``UNMASKED`` for a decode step, whose fused layers read none; ``CAUSAL_PREFILL`` for a prefill that
@@ -326,19 +326,26 @@ class DecodeEngine:
         cache, length, named = bucket.cache, ids.shape[1], self.model.config._attn_implementation
         implementation = (CAUSAL_PREFILL if mask is None and length < self._unmasked_below and named == "sdpa"
                           else None)
+        last = self._last_position(bucket)
         if (mask is not None or cache.device.type != "cuda" or cache.spans_devices
                 or ids.numel() > PREFILL_GRAPH_TOKENS):
-            return self._forward(ids, positions, cache, mask, implementation, bucket.last_position)
+            return self._forward(ids, positions, cache, mask, implementation, last)
         key = (length, named)
         graph, capture = bucket.prefills.lookup(key)
         if capture:
-            graph = self._capture_prefill(bucket, key, ids, positions, implementation)
+            graph = self._capture_prefill(bucket, key, ids, positions, implementation, last)
         if graph is None:
-            return self._forward(ids, positions, cache, None, implementation, bucket.last_position)
+            return self._forward(ids, positions, cache, None, implementation, last)
         return graph.replay(ids, positions, cache)
 
+    def _last_position(self, bucket: _Bucket) -> Tensor | None:
+        """The prefill's ``last_position`` for :meth:`_forward`: the bucket's, or None when a hook watches a module
+        of the model (it would see the last layer's output, or the model's, for the last position alone)."""
+        fingerprint = self._fingerprint if self._fingerprint is not None else _fingerprint(self.model)
+        return None if fingerprint[3] else bucket.last_position
+
     def _capture_prefill(self, bucket: _Bucket, key: Hashable, ids: Tensor, positions: Tensor,
-                         implementation: str | None) -> _PrefillGraph | None:
+                         implementation: str | None, last_position: Tensor | None) -> _PrefillGraph | None:
         """Capture the prefill of ``ids`` [B, T] into the planned cache (not run: the caller replays it), or None
         with a warning when it cannot be captured. The bucket's eager prefill of this length ran before, so every
         kernel is tuned and every lazy setup done."""
@@ -348,8 +355,7 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool()):
-                logits = self._forward(static_ids, static_positions, cache, None, implementation,
-                                       bucket.last_position)
+                logits = self._forward(static_ids, static_positions, cache, None, implementation, last_position)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager prefill, which is correct
             torch.cuda.synchronize(cache.device)
             cache.restore_host_fill(fill)

@@ -107,6 +107,19 @@ def test_a_long_prefills_last_layer_runs_for_the_last_position(name):
     assert not engine_of(model)._buckets[4].cache.last_position_only
 
 
+def test_a_hook_sees_every_position_of_the_last_layers_prefill():
+    """A hook on some module of the model (here the last layer's MLP, which the fused step then calls as a module)
+    sees what HF's generate shows it: the prefill's every position, not the last alone."""
+    model = decode_model("llama")
+    ids, mask = left_padded(prompt=20)
+    expected = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    fuselm.patch(model)
+    rows = []
+    model.model.layers[-1].mlp.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
+    assert torch.equal(fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False), expected)
+    assert rows == [20, 1, 1]
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_patched_model_generate_runs_the_loop(name):
     """A patched model's own generate takes fuselm's loop (and its second call reuses the bucket), with HF's
