@@ -342,7 +342,8 @@ class DecodeEngine:
         """The prefill's ``last_position`` for :meth:`_forward`: the bucket's, or None when a hook watches a module
         of the model (it would see the last layer's output, or the model's, for the last position alone)."""
         fingerprint = self._fingerprint if self._fingerprint is not None else _fingerprint(self.model)
-        return None if fingerprint[3] else bucket.last_position
+        watched = fingerprint[3]  # the modules a hook watches (_fingerprint's order)
+        return None if watched else bucket.last_position
 
     def _capture_prefill(self, bucket: _Bucket, key: Hashable, ids: Tensor, positions: Tensor,
                          implementation: str | None, last_position: Tensor | None) -> _PrefillGraph | None:
