@@ -143,7 +143,7 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
                        cache_positions: Tensor, num_heads: int, num_kv_heads: int, q_bias: Tensor | None = None,
                        k_bias: Tensor | None = None, v_bias: Tensor | None = None, q_norm_weight: Tensor | None = None,
                        k_norm_weight: Tensor | None = None, qk_norm_eps: float | None = None, casting: str = "llama",
-                       offset: float = 0.0) -> Tensor:
+                       offset: float = 0.0, last_only: bool = False) -> Tensor:
     """Plain PyTorch :func:`qkv_rope` (the fallback and the test oracle): writes the caches, returns q."""
     batch, seq_len, _ = x.shape
     head_dim = k_cache.shape[-1]
@@ -160,7 +160,7 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
     q, k = rope_reference(q, k, cos, sin, layout="bshd")
     _write_cache(k_cache, k, cache_positions)
     _write_cache(v_cache, v, cache_positions)
-    return q.contiguous().transpose(1, 2)
+    return (q[:, -1:] if last_only else q).contiguous().transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------- kernel helpers
@@ -644,13 +644,15 @@ def _qkv_epilogue_kernel(
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     head_eps, offset,
-    HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr,
+    HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr, Q_LAST_ONLY: tl.constexpr,
     BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     # Large-M epilogue after the cuBLAS projections. Program (i, kv_head) owns rows [i * BLOCK_M, +BLOCK_M) of one
     # GQA group: the Hq / Hkv q heads that read kv head kv_head, then that k head and that v head. It reads the
     # rows' cos/sin and cache positions once for the group, then each head's BLOCK_M x D projection values (bias
     # already added) once, runs head norm and RoPE, and writes them once, to q_out or to the caches.
+    # Q_LAST_ONLY: q holds one row per sequence (its last position, row b for rows b * seq_len + seq_len - 1), and
+    # a program whose rows hold no last position skips the q heads.
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < n_rows
     kv_head = tl.program_id(1)
@@ -659,18 +661,24 @@ def _qkv_epilogue_kernel(
     c1, c2, n1, n2 = _rotary_tables(cos_ptr, sin_ptr, rows, row_ok, seq_len, d1, ok1, half, True,
                                     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd)
     position = _cache_rows(positions_ptr, rows, row_ok, seq_len, stride_pb, stride_pt, True)
-    mask = row_ok[:, None] & ok1[None, :]
-    for i in range(group + 2):  # head slots: q heads kv_head * group + i, then k and v head kv_head
+    if Q_LAST_ONLY:
+        q_rows, q_row_ok = rows // seq_len, row_ok & (rows % seq_len == seq_len - 1)
+        first_slot = tl.where(tl.max(q_row_ok.to(tl.int32), axis=0) > 0, 0, group)
+    else:
+        q_rows, q_row_ok, first_slot = rows, row_ok, 0
+    for i in range(first_slot, group + 2):  # head slots: q heads kv_head * group + i, then k and v head kv_head
         slot = tl.where(i < group, kv_head * group + i, n_heads_q + (i - group) * n_heads_kv + kv_head)
         kind, head, proj_ptr, stride_row = _select_head(slot, n_heads_q, n_heads_kv, q_ptr, k_ptr, v_ptr,
                                                         stride_q, stride_k, stride_v)
-        row_base = (proj_ptr + rows * stride_row + head * head_dim)[:, None]
-        a1 = tl.load(row_base + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-        a2 = tl.load(row_base + half + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-        tail_values = tl.load(row_base + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :],
+        slot_rows, slot_row_ok = tl.where(kind == 0, q_rows, rows), tl.where(kind == 0, q_row_ok, row_ok)
+        row_base = (proj_ptr + slot_rows * stride_row + head * head_dim)[:, None]
+        a1 = tl.load(row_base + d1[None, :], mask=slot_row_ok[:, None] & ok1[None, :], other=0.0).to(tl.float32)
+        a2 = tl.load(row_base + half + d1[None, :], mask=slot_row_ok[:, None] & ok1[None, :],
+                     other=0.0).to(tl.float32)
+        tail_values = tl.load(row_base + tail[None, :], mask=slot_row_ok[:, None] & tail_ok[None, :],
                               other=0.0).to(tl.float32)
         _finish_head(
-            a1, a2, tail_values, kind, head, rows, row_ok, d1, ok1, tail, tail_ok, c1, c2, n1, n2, position,
+            a1, a2, tail_values, kind, head, rows, slot_row_ok, d1, ok1, tail, tail_ok, c1, c2, n1, n2, position,
             q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, seq_len, head_dim, half, cache_len,
             head_eps, offset, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
             stride_vb, stride_vh, stride_vl, stride_vd, HAS_HEAD_NORM, CAST_NORMED, HAS_TAIL)
@@ -787,18 +795,23 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
 def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | None, k_norm_weight: Tensor | None,
                        head_eps: float, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                        cache_positions: Tensor, num_heads: int, seq_len: int, casting: str, offset: float) -> Tensor:
-    """The large-M epilogue over the cuBLAS projections q [M, Hq*D], k and v [M, Hkv*D] (unit column stride)."""
-    n_rows = q.shape[0]
+    """The large-M epilogue over the cuBLAS projections k and v [M, Hkv*D] and q [M, Hq*D], or q [B, Hq*D] of each
+    sequence's last position alone (then q_out is [B, Hq, 1, D]); all with unit column stride."""
+    n_rows = k.shape[0]
+    batch = n_rows // seq_len
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
-    q_out = new_output((n_rows // seq_len, seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
+    q_last_only = q.shape[0] != n_rows
+    q_out = new_output((batch, 1 if q_last_only else seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
+    # the kernel steps q_out's T dim by each row's t, seq_len - 1 for the last position: it sees T's stride as 0
+    q_steps = q_out.as_strided(q_out.shape, (*q_out.stride()[:2], 0, q_out.stride(3))) if q_last_only else q_out
     grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), num_kv_heads)  # noqa: E731
     head_norms = [w.contiguous() if w is not None else q for w in (q_norm_weight, k_norm_weight)]
     _qkv_epilogue_kernel[grid](
         q, k, v, *head_norms, cos, sin, cache_positions, q_out, k_cache, v_cache,
         n_rows, triton.next_power_of_2(n_rows), seq_len, num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2,
         cache_len, q.stride(0), k.stride(0), v.stride(0),
-        *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), head_eps, offset,
-        HAS_HEAD_NORM=q_norm_weight is not None, CAST_NORMED=casting == "llama",
+        *_epilogue_strides(cos, sin, cache_positions, q_steps, k_cache, v_cache), head_eps, offset,
+        HAS_HEAD_NORM=q_norm_weight is not None, CAST_NORMED=casting == "llama", Q_LAST_ONLY=q_last_only,
         **_head_blocks(head_dim, cos.shape[-1]))
     return q_out
 
@@ -820,7 +833,9 @@ def _qkv_rope_fake(x, norm_weight, eps, q_weight, k_weight, v_weight, q_bias, k_
 
 def _qkv_epilogue_fake(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin, k_cache, v_cache, cache_positions,
                        num_heads, seq_len, casting, offset):
-    return q.new_empty((q.shape[0] // seq_len, seq_len, num_heads, k_cache.shape[-1])).transpose(1, 2)
+    batch = k.shape[0] // seq_len
+    q_len = 1 if q.shape[0] != k.shape[0] else seq_len
+    return q.new_empty((batch, q_len, num_heads, k_cache.shape[-1])).transpose(1, 2)
 
 
 LINEAR_RESIDUAL = FusedOp("linear_residual", _linear_residual_impl, fake=_linear_residual_fake)
@@ -1002,7 +1017,7 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
              cache_positions: Tensor, *, num_heads: int, num_kv_heads: int, q_bias: Tensor | None = None,
              k_bias: Tensor | None = None, v_bias: Tensor | None = None, q_norm_weight: Tensor | None = None,
              k_norm_weight: Tensor | None = None, qk_norm_eps: float | None = None, casting: str = "llama",
-             offset: float = 0.0) -> Tensor:
+             offset: float = 0.0, last_only: bool = False) -> Tensor:
     """Attention's input side: RMSNorm, q/k/v projections (+ biases), q/k head norms, RoPE, KV-cache write.
 
     Args:
@@ -1021,6 +1036,9 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
         q_bias, k_bias, v_bias: optional [Hq*D], [Hkv*D], [Hkv*D] (Qwen2); the packed [(Hq + 2 Hkv) * D] as q_bias.
         q_norm_weight, k_norm_weight: optional [D] per-head RMSNorm weights (Qwen3, Gemma3), applied before RoPE
             with eps ``qk_norm_eps`` (default ``eps``).
+        last_only: return q of each row's last position alone ([B, Hq, 1, D]); k and v of every position are
+            written as without it. Above ``MAX_STREAMING_ROWS`` rows, q's GEMM then runs for those B rows alone
+            (a prefill whose caller reads only the last position's output).
 
     Returns:
         q [B, Hq, T, D] in x's dtype, normed and rotated: a transposed view of [B, T, Hq, D] memory, the layout
@@ -1037,21 +1055,25 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
             or _needs_grad(x, norm_weight, q_weight, k_weight, v_weight, *biases, q_norm_weight, k_norm_weight)):
         return qkv_rope_reference(x, norm_weight, eps, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache,
                                   cache_positions, num_heads, num_kv_heads, *biases, q_norm_weight, k_norm_weight,
-                                  head_eps, casting, offset)
+                                  head_eps, casting, offset, last_only)
     batch, seq_len, _ = x.shape
     n_rows = batch * seq_len
     head_dim = k_cache.shape[-1]
     if n_rows == 0:
-        return x.new_empty((batch, seq_len, num_heads, head_dim)).transpose(1, 2)
+        return x.new_empty((batch, min(seq_len, 1) if last_only else seq_len, num_heads, head_dim)).transpose(1, 2)
     (wq, bq), (wk, bk), (wv, bv) = _qkv_weights(q_weight, k_weight, v_weight, *biases, num_heads, num_kv_heads,
                                                 head_dim)
     if n_rows <= MAX_STREAMING_ROWS:
         if norm_weight is not None and not _norm_in_prologue(x, n_rows, QKV_PROLOGUE_NORM_MAX_ROWS):
             x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
-        return QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
-                        k_cache, v_cache, cache_positions, num_heads, casting, offset)
+        q = QKV_ROPE(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, q_norm_weight, k_norm_weight, head_eps, cos, sin,
+                     k_cache, v_cache, cache_positions, num_heads, casting, offset)
+        return q[:, :, -1:].transpose(1, 2).contiguous().transpose(1, 2) if last_only else q  # B x Hq x D copied
     h = as_rows(x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype))
-    if k_weight is None:  # one GEMM against the packed weight; q, k and v are column slices of its output
+    if last_only:  # q's GEMM for each sequence's last row alone: the epilogue reads q [B, Hq * D]
+        q = F.linear(h.view(batch, seq_len, -1)[:, -1], wq, bq)
+        k, v = F.linear(h, wk, bk), F.linear(h, wv, bv)
+    elif k_weight is None:  # one GEMM against the packed weight; q, k and v are column slices of its output
         q, k, v = F.linear(h, q_weight, q_bias).split([num_heads * head_dim, *2 * [num_kv_heads * head_dim]], dim=1)
     else:
         q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)

@@ -112,9 +112,10 @@ def decode_fallbacks(layer: nn.Module) -> list[str]:
 
 
 def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tensor, sin: Tensor, cache,
-             index: int, normed: bool = False) -> Tensor:
+             index: int, normed: bool = False, last_only: bool = False) -> Tensor:
     """q [B, Hq, T, D] of the new tokens, their k and v written into the cache: one fused kernel when it can.
-    ``normed``: hidden is the input norm's output already (else the norm runs here, in the kernel's prologue)."""
+    ``normed``: hidden is the input norm's output already (else the norm runs here, in the kernel's prologue).
+    ``last_only``: q [B, Hq, 1, D] of each row's last token alone (every token's k and v are still written)."""
     attention = layer.self_attn
     k_cache, v_cache = cache.buffers(index)
     projections = [plain_linear(getattr(attention, name)) for name in facts.projections]
@@ -138,7 +139,8 @@ def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tenso
                         q_bias=q_bias, k_bias=k_bias, v_bias=v_bias,
                         q_norm_weight=None if q_norm is None else q_norm[0],
                         k_norm_weight=None if k_norm is None else k_norm[0],
-                        qk_norm_eps=None if q_norm is None else q_norm[1], casting=casting, offset=offset)
+                        qk_norm_eps=None if q_norm is None else q_norm[1], casting=casting, offset=offset,
+                        last_only=last_only)
     batch, seq_len, _ = hidden.shape
     if not normed:
         hidden = layer.input_layernorm(hidden)
@@ -154,7 +156,7 @@ def _queries(layer: nn.Module, facts: AttentionFacts, hidden: Tensor, cos: Tenso
         q, k = attention.q_norm(q), attention.k_norm(k)
     q, k = rope(q, k, cos, sin, layout="bshd")
     cache.layers[index].update(k.transpose(1, 2), v.transpose(1, 2))
-    return q.transpose(1, 2)
+    return q[:, -1:].transpose(1, 2) if last_only else q.transpose(1, 2)
 
 
 def _project(module: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
@@ -228,18 +230,18 @@ def prefill_attention(layer: nn.Module, normed: Tensor, cos: Tensor, sin: Tensor
     the cache's slots 0 .. T - 1), then HF's ``sdpa`` attention function over those slots, with the mask HF built
     for this layer (attention_mask: [B, 1, T, T], sized by the cache's ``get_mask_sizes``, or None: causal, no
     padding), so is_causal, GQA and the mask are handled as for HF's own attention; then the o projection module.
-    With ``last_only`` the last query attends (the mask's last row; with no mask, a single query is not causal in
-    HF's function and sees every slot, as the causal mask's last row does), and o projects that row alone.
+    With ``last_only`` q is projected for the last position alone (every position's k and v are still written)
+    and attends with the mask's last row (with no mask, a single query is not causal in HF's function and sees
+    every slot, as the causal mask's last row does); o projects that row alone.
     """
     attention = layer.self_attn
     index = attention.layer_idx
     batch, seq_len, _ = normed.shape
     if index == 0:
         cache.open_step(seq_len, position_ids)
-    q = _queries(layer, facts, normed, cos, sin, cache, index, normed=True)
-    if last_only:
-        q = q[:, :, -1:]
-        attention_mask = None if attention_mask is None else attention_mask[..., -1:, :]
+    q = _queries(layer, facts, normed, cos, sin, cache, index, normed=True, last_only=last_only)
+    if last_only and attention_mask is not None:
+        attention_mask = attention_mask[..., -1:, :]
     k_cache, v_cache = cache.buffers(index)
     attended, _ = sdpa_attention_forward(attention, q, k_cache[:, :, :seq_len], v_cache[:, :, :seq_len],
                                          attention_mask, dropout=0.0, scaling=facts.scaling)

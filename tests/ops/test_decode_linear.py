@@ -221,13 +221,13 @@ def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16,
     return args, options
 
 
-def _check_qkv(batch, seq_len, dtype, **variant):
+def _check_qkv(batch, seq_len, dtype, last_only=False, **variant):
     args, options = _qkv_inputs(batch, seq_len, dtype, **variant)
     args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     options64 = {k: _double(v) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
-    expected = qkv_rope_reference(*args64, **options64)
+    expected = qkv_rope_reference(*args64, **options64, last_only=last_only)
     with torch.no_grad():
-        q = fuselm.qkv_rope(*args, **options)
+        q = fuselm.qkv_rope(*args, **options, last_only=last_only)
     assert q.dtype == dtype and q.shape == expected.shape and q.transpose(1, 2).is_contiguous()  # [B, T, Hq, D]
     assert_close(q, expected, dtype, "q")
     for name, cache, cache64 in (("k_cache", args[8], args64[8]), ("v_cache", args[9], args64[9])):
@@ -259,6 +259,19 @@ def test_qkv_rope_variants(path, variant, batch, seq_len):
     if options.get("cos_batch") and batch == 1:
         options = {**options, "cos_batch": 1}
     _check_qkv(batch, seq_len, torch.bfloat16, **options)
+
+
+@pytest.mark.parametrize("variant", ["plain", "packed_bias_partial", "head_norm", "gqa_shared_positions"])
+@pytest.mark.parametrize(("batch", "seq_len"), [(2, 3), (2, 40), (3, 31)])
+def test_qkv_rope_last_only(path, variant, batch, seq_len):
+    """q of each row's last position alone, [B, Hq, 1, D], with every position's k and v written: 6 rows slice the
+    streaming kernel's q; 80 and 93 rows run q's GEMM for the B last rows and the epilogue for q heads only in the
+    programs that hold a last row (93: last rows 30, 61, 92 fall at different offsets in the row blocks)."""
+    options = {} if variant == "plain" else QKV_VARIANTS[variant]
+    if "cos_batch" in options:
+        options = {**options, "cos_batch": batch}
+    _check_qkv(batch, seq_len, torch.bfloat16, last_only=True, **options)
+    _check_qkv(batch, seq_len, torch.float32, last_only=True, **options)
 
 
 @pytest.mark.parametrize(("batch", "seq_len"), [(2, 3), (2, 40)])
@@ -446,6 +459,15 @@ def test_llama_sized_projections_match_float64(n_rows):
 @pytest.mark.parametrize("variant", [{}, {"head_norm": True}, {"packed": True, "rotary_dim": 96, "bias": True}])
 def test_llama_sized_qkv_rope_matches_float64(n_rows, variant):
     _check_qkv(n_rows, 1, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, cache_len=80, hidden=4096,
+               **variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, {"head_norm": True}, {"packed": True, "rotary_dim": 96, "bias": True}])
+def test_llama_sized_qkv_rope_last_only_matches_float64(variant):
+    """A prefill's last layer at real widths: q's GEMM for the 3 last rows of 3 x 257, and the q heads in only the
+    epilogue programs that hold one (the last rows fall at different offsets of the autotuner's row blocks)."""
+    _check_qkv(3, 257, torch.bfloat16, last_only=True, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
                **variant)
 
 

@@ -131,13 +131,14 @@ def test_decode_steps_match_hf_layers(name, prompt, path):
     assert_same_cache(cache_state(fused_cache), cache_state(hf_cache), poisoned=True)
 
 
-@pytest.mark.parametrize("prompt", [9, 20], ids=["decode-prefill", "sdpa-prefill"])
+@pytest.mark.parametrize("prompt", [9, 20, 24], ids=["decode-prefill", "sdpa-prefill", "sdpa-prefill-gemm"])
 @pytest.mark.parametrize("name", FUSED_LAYERS)
 def test_last_position_only_prefill(name, prompt, path):
     """With the cache's ``last_position_only`` (set by fuselm's engine, which reads only the last logits), a prefill
-    longer than DECODE_MAX_TOKENS returns the last position alone: the last layer runs its attention output and MLP
-    for it only. That position's hidden state equals HF's, and so does every layer's cache, the last layer's keys
-    and values at every position included. A shorter prompt (the fused decode step) keeps its T positions."""
+    longer than DECODE_MAX_TOKENS returns the last position alone: the last layer runs its q projection, attention
+    output and MLP for it only. That position's hidden state equals HF's, and so does every layer's cache, the last
+    layer's keys and values at every position included. A shorter prompt (the fused decode step) keeps its T
+    positions. 3 x 20 rows take qkv_rope's streaming kernel, 3 x 24 its GEMMs (q's for the 3 last rows alone)."""
     model = decode_model(name)
     ids, mask = left_padded(prompt)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
