@@ -11,6 +11,10 @@ bytes = read q, k, v + write q and the new k, v into the cache (2 x M x (Hq + 2 
 pct_of_copy = copy of those bytes (``timing.copy_ms``, the same flush) / the row's time. Times: ``timing.median_ms``
 over a CUDA-graph replay, L2 flushed.
 
+Then the whole ``fuselm.qkv_rope`` at those sizes and at B1 x 8192 (normed x in, the three cuBLAS projections and the
+epilogue), for every position's q and with ``last_only`` (a prefill's last layer: q's GEMM for each sequence's last
+row, the epilogue's q heads only where a program holds one): rows ``"what": "qkv_rope"``, ``"last_only"``, ``"us"``.
+
     python benchmarks/qkv_epilogue_probe.py --out benchmarks/results/qkv-epilogue-probe-h100.json
     python benchmarks/qkv_epilogue_probe.py --smoke      (tiny shapes on the CPU, Triton's interpreter)
 """
@@ -36,6 +40,8 @@ from fuselm.ops import _common, decode_linear
 
 SHAPES = [(1, 2048), (32, 512)]  # (B, T)
 SMOKE_SHAPES = [(2, 8)]
+WHOLE_OP_SHAPES = [(1, 2048), (1, 8192), (32, 512)]
+SMOKE_WHOLE_OP_SHAPES = [(2, 40)]  # 80 rows: past MAX_STREAMING_ROWS, the GEMM path
 
 
 def inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, device: str, dtype: torch.dtype):
@@ -49,6 +55,30 @@ def inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, d
     slots = torch.arange(seq_len, device=device, dtype=torch.int32).expand(batch, -1).contiguous()
     moved = 2 * rows * (heads + 2 * kv_heads) * head_dim * q.element_size() + 2 * cos.numel() * cos.element_size()
     return (q, k, v, None, None, 1e-6, cos, sin, *caches, slots, heads, seq_len, "llama", 0.0), moved
+
+
+def whole_op_rows(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, device: str,
+                  dtype: torch.dtype) -> list[dict]:
+    """fuselm.qkv_rope over a prefill of batch x seq_len normed tokens, q for every position and for the last."""
+    hidden = heads * head_dim
+    x = torch.randn(batch, seq_len, hidden, device=device, dtype=dtype)
+    weights = [torch.randn(n * head_dim, hidden, device=device, dtype=dtype) / hidden**0.5
+               for n in (heads, kv_heads, kv_heads)]
+    angles = torch.randn(1, seq_len, head_dim, device=device)
+    caches = [torch.zeros(batch, kv_heads, seq_len, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    slots = torch.arange(seq_len, device=device, dtype=torch.int32)
+    call = (x, None, 1e-6, *weights, angles.cos().to(dtype), angles.sin().to(dtype), *caches, slots)
+    rows = []
+    for last_only in (False, True):
+        def run(last_only=last_only):
+            return fuselm.qkv_rope(*call, num_heads=heads, num_kv_heads=kv_heads, last_only=last_only)
+        q = run()
+        ms = median_ms(captured(run))
+        rows.append({"what": "qkv_rope", "batch": batch, "seq_len": seq_len, "last_only": last_only,
+                     "us": round(ms * 1e3, 2), "q_shape": list(q.shape)})
+        print(f"qkv_rope B{batch:<3} T={seq_len:<5} last_only={last_only!s:<5} {rows[-1]['us']:9.2f} us  "
+              f"q {tuple(q.shape)}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -72,7 +102,8 @@ def main() -> None:
                     out = decode_linear.QKV_EPILOGUE(*call)
                     same = bool(torch.equal(out, expected))
                     ms = median_ms(captured(lambda call=call: decode_linear.QKV_EPILOGUE(*call)))
-                row = {"batch": batch, "seq_len": seq_len, "config": {**config.kwargs, "num_warps": config.num_warps},
+                row = {"what": "epilogue", "batch": batch, "seq_len": seq_len,
+                       "config": {**config.kwargs, "num_warps": config.num_warps},
                        "autotuner_pick": config is picked, "us": round(ms * 1e3, 2), "bytes": moved,
                        "gbps": round(moved / ms / 1e6, 1), "pct_of_copy": round(100 * reference_ms / ms, 1),
                        "equal_to_pick": same}
@@ -81,6 +112,8 @@ def main() -> None:
                       f"{row['gbps']:7.0f} GB/s  {row['pct_of_copy']:5.1f} % of copy"
                       + ("  (autotuner's pick)" if row["autotuner_pick"] else "") + ("" if same else "  DIFFERS"),
                       flush=True)
+        for batch, seq_len in WHOLE_OP_SHAPES if cuda else SMOKE_WHOLE_OP_SHAPES:
+            rows += whole_op_rows(batch, seq_len, heads, kv_heads, head_dim, device, dtype)
     if args.out:
         result = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
                   "triton": triton.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(),

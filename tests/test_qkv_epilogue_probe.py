@@ -1,5 +1,6 @@
 """benchmarks/qkv_epilogue_probe.py in smoke mode (CPU, Triton's interpreter): a row per epilogue config, each config's
-outputs equal to the pick's, and the bytes the formula counts."""
+outputs equal to the pick's, and the bytes the formula counts; then the whole qkv_rope with every position's q and
+with the last position's alone."""
 
 import json
 
@@ -13,6 +14,10 @@ def test_smoke_run_times_every_config(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["qkv_epilogue_probe.py", "--smoke", "--out", str(out)])
     probe.main()
     rows = json.loads(out.read_text())["rows"]
+    whole_op = [r for r in rows if r["what"] == "qkv_rope"]
+    rows = [r for r in rows if r["what"] == "epilogue"]
+    assert [(r["last_only"], r["q_shape"]) for r in whole_op] == [(False, [2, 4, 40, 16]), (True, [2, 4, 1, 16])]
+    assert all(r["us"] > 0 for r in whole_op)
     configs = decode_linear._qkv_epilogue_kernel.configs
     assert [r["config"]["BLOCK_M"] for r in rows] == [c.kwargs["BLOCK_M"] for c in configs]
     assert all(r["equal_to_pick"] and r["us"] > 0 for r in rows)
