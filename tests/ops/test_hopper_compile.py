@@ -93,6 +93,13 @@ def _launches_no_config_test_makes():
         q, k = torch.randn(1, 2, 3, 16, dtype=dtype, requires_grad=True), torch.randn(1, 1, 3, 16, dtype=dtype)
         cos, sin = torch.randn(1, 3, 8, dtype=dtype), torch.randn(1, 3, 8, dtype=dtype)
         sum(t.sum() for t in fuselm.rope(q, k, cos, sin)).backward()
+        # a prefill's last layer (80 rows: the GEMM path): q of the last positions alone, the epilogue's Q_LAST_ONLY
+        x, angles = torch.randn(2, 40, 32, dtype=dtype), torch.randn(1, 40, 16)
+        weights = [torch.randn(n, 32, dtype=dtype) for n in (32, 16, 16)]
+        caches = [torch.zeros(2, 1, 40, 16, dtype=dtype) for _ in range(2)]
+        with torch.no_grad():
+            fuselm.qkv_rope(x, None, 1e-6, *weights, angles.cos(), angles.sin(), *caches, torch.arange(40),
+                            num_heads=2, num_kv_heads=1, last_only=True)
 
 
 def _dependent_variants(launches):
@@ -122,6 +129,7 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
     recorded = {launch["kernel"] for launch in recorder.launches.values()}
     assert recorded >= KERNELS, f"never recorded: {KERNELS - recorded}"  # else they would pass unchecked
     launches = list(recorder.launches.values()) + _dependent_variants(recorder.launches.values())
+    assert any(launch["constexprs"].get("Q_LAST_ONLY") for launch in launches)  # the prefill's last-layer epilogue
     result = subprocess.run(
         [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(launches),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
