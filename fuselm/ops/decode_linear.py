@@ -801,6 +801,8 @@ def _qkv_epilogue_impl(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor | 
     batch = n_rows // seq_len
     num_kv_heads, cache_len, head_dim = k_cache.shape[1:]
     q_last_only = q.shape[0] != n_rows
+    if q_last_only and q.shape[0] != batch:
+        raise ValueError(f"q has {q.shape[0]} rows: expected k's {n_rows} or one a sequence ({batch})")
     q_out = new_output((batch, 1 if q_last_only else seq_len, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
     # the kernel steps q_out's T dim by each row's t, seq_len - 1 for the last position: it sees T's stride as 0
     q_steps = q_out.as_strided(q_out.shape, (*q_out.stride()[:2], 0, q_out.stride(3))) if q_last_only else q_out

@@ -380,6 +380,17 @@ def test_projection_bad_input():
         fuselm.norm_gated_linear(x, None, 1e-6, w, w, activation="relu")
 
 
+def test_qkv_epilogue_refuses_q_rows_of_neither_kind():
+    """The large-M epilogue takes q of every row (M) or of each sequence's last (B); any other count is an error."""
+    rows, seq_len = 6, 3
+    q, k, v = randn(4, 16), randn(rows, 16), randn(rows, 16)
+    cos = sin = randn(1, seq_len, 16)
+    caches = [randn(2, 1, seq_len, 16) for _ in range(2)]
+    with pytest.raises(ValueError, match="q has 4 rows"):
+        decode_linear.QKV_EPILOGUE(q, k, v, None, None, 1e-6, cos, sin, *caches,
+                                   torch.arange(seq_len, device=DEVICE), 1, seq_len, "llama", 0.0)
+
+
 def test_empty_rows(path):
     x = randn(0, 40)
     assert fuselm.linear_residual(x, randn(24, 40), randn(0, 24)).shape == (0, 24)
