@@ -340,9 +340,9 @@ class DecodeEngine:
 
     def _last_position(self, bucket: _Bucket) -> Tensor | None:
         """The prefill's ``last_position`` for :meth:`_forward`: the bucket's, or None when a hook watches a module
-        of the model (it would see the last layer's output, or the model's, for the last position alone)."""
-        fingerprint = self._fingerprint if self._fingerprint is not None else _fingerprint(self.model)
-        watched = fingerprint[3]  # the modules a hook watches (_fingerprint's order)
+        of the model (it would see the last layer's output, or the model's, for the last position alone). Reads the
+        fingerprint :meth:`_bucket` gave the bucket before this call."""
+        watched = bucket.fingerprint[3]  # the modules a hook watches (_fingerprint's order)
         return None if watched else bucket.last_position
 
     def _capture_prefill(self, bucket: _Bucket, key: Hashable, ids: Tensor, positions: Tensor,
