@@ -77,6 +77,7 @@ BF16 = torch.bfloat16
 LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
 SMOKE_LAYER_SHAPES = [(2, 8)]
 MAX_LEN_FACTOR = 2  # each cache holds max_len = 2 * context positions (HF's SDPA reads all of them)
+CHAIN_STEPS = 8  # steps of one graph in the chained figures; HF's StaticCache counts 8 more positions over them
 LAYER_FORMULA = ("bytes = layer weights (every parameter) + KV read (valid positions only: 2 * B * Hkv * context "
                  "* D * 2) + KV written (2 * B * Hkv * D * 2) + activations (hidden in and out: 2 * B * hidden * 2); "
                  "bound_us = bytes / copy_gbps; pct_of_bound = bound_us / us = pct_of_copy (bytes / us against "
@@ -84,7 +85,11 @@ LAYER_FORMULA = ("bytes = layer weights (every parameter) + KV read (valid posit
                  "zeroed before each (timing.median_ms's L2 flush, whose dirty lines are written back during the "
                  "step); us_steady: the same replays back to back, no flush (a step reads 436 MB or more, 7x L2, so "
                  "no replay finds the last one's bytes in L2: as consecutive decode steps run), against "
-                 "copy_gbps_steady, back-to-back copies of the same 2 GiB: pct_of_bound_steady")
+                 "copy_gbps_steady, back-to-back copies of the same 2 GiB: pct_of_bound_steady; us_chained, "
+                 f"us_chained_steady: the same per step in one graph of {CHAIN_STEPS} steps after one reset (as a "
+                 f"decode runs its layers back to back: one graph launch, one reset and, flushed, one flush's "
+                 f"write-back per {CHAIN_STEPS} steps; a step's predecessor is the last step's final kernel, as in a "
+                 f"model), the graph's median time / {CHAIN_STEPS}: pct_of_bound_chained, pct_of_bound_chained_steady")
 COPY_BYTES, SMOKE_COPY_BYTES = 2**31, 2**20
 COPY_FORMULA = "copy_gbps = {moved} B moved (half read, half written, bf16 copy_) / median time (timing.copy_gbps)"
 
@@ -241,9 +246,10 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, imp
                 def step(call=call, hidden=s.hidden, kwargs=kwargs, held=held):
                     held["out"] = call(hidden, **kwargs)
 
-                def replayed(step=step, reset=reset):
+                def replayed(step=step, reset=reset, steps=1):
                     reset()
-                    step()
+                    for _ in range(steps):
+                        step()
 
                 with torch.no_grad():
                     replayed()  # compiles (hf_compile), autotunes (fuselm), and is the output checked
@@ -252,6 +258,9 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, imp
                     began = time.time()
                     us = median_ms(replay) * 1e3
                     us_steady = median_ms(replay, flush_l2=False) * 1e3
+                    chain = captured(lambda replayed=replayed: replayed(steps=CHAIN_STEPS))
+                    us_chained = median_ms(chain) * 1e3 / CHAIN_STEPS
+                    us_chained_steady = median_ms(chain, flush_l2=False) * 1e3 / CHAIN_STEPS
                     if sampler is not None:
                         row["clocks"] = sampler.between(began, time.time())
                     row.update(count_kernels(step, reset))
@@ -261,6 +270,10 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, imp
                             "pct_of_bound": round(100 * bound_us / us, 1), "pct_of_copy": round(100 * bound_us / us, 1),
                             "us_steady": round(us_steady, 2), "bound_steady_us": round(bound_steady_us, 2),
                             "pct_of_bound_steady": round(100 * bound_steady_us / us_steady, 1),
+                            "us_chained": round(us_chained, 2),
+                            "pct_of_bound_chained": round(100 * bound_us / us_chained, 1),
+                            "us_chained_steady": round(us_chained_steady, 2),
+                            "pct_of_bound_chained_steady": round(100 * bound_steady_us / us_chained_steady, 1),
                             "finite": bool(torch.isfinite(out).all()), "out_shape": list(out.shape),
                             "mask": "none" if mask is None else f"HF causal mask {list(mask.shape)}",
                             "formula": f"({' + '.join(f'{v} B {k}' for k, v in counted.items())}) / {copy:.0f} GB/s "
@@ -275,7 +288,11 @@ def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, imp
             rows.append(row)
             detail = row.get("error") or (f"{row['us']:9.1f} us  {row['pct_of_bound']:5.1f} % of bound  "
                                           f"(back to back {row['us_steady']:.1f} us, {row['pct_of_bound_steady']:.1f} "
-                                          f"%)  {row.get('kernels', '-')} kernels   {row['formula']}"
+                                          f"%; chained {row['us_chained']:.1f} us, "
+                                          f"{row['pct_of_bound_chained']:.1f} %, "
+                                          f"back to back {row['us_chained_steady']:.1f} us, "
+                                          f"{row['pct_of_bound_chained_steady']:.1f} %)  {row.get('kernels', '-')} "
+                                          f"kernels   {row['formula']}"
                                           + (f"  clocks {row['clocks']}" if row.get("clocks") else ""))
             print(f"  layer_step {impl:<14} B={batch:<3} context={context:<5} {detail}", flush=True)
         if "hf_eager" in outputs:  # same weights, inputs and cache contents: the outputs compare
@@ -380,17 +397,20 @@ def print_layer_table(rows: list[dict], copy: float) -> None:
     if not steps:
         return
     print(f"\ndecoder layer decode step, Llama-3-8B shapes, bf16: us (% of byte bound at {copy:.0f} GB/s, kernels); "
-          "back to back, no L2 flush: us (% of bound at the back-to-back copy rate)")
+          f"back to back, no L2 flush: us (% of bound at the back-to-back copy rate); chained ({CHAIN_STEPS} steps a "
+          "graph), flushed and back to back: us (%)")
     impls = list(dict.fromkeys(row["impl"] for row in steps))
-    print(f"{'B x context':<14}" + "".join(f"{impl:>40}" for impl in impls))
+    print(f"{'B x context':<14}" + "".join(f"{impl:>72}" for impl in impls))
     for batch, context in dict.fromkeys((row["batch"], row["context"]) for row in steps):
         line = f"{f'{batch} x {context}':<14}"
         for impl in impls:
             row = next(r for r in steps if (r["impl"], r["batch"], r["context"]) == (impl, batch, context))
             cell = ("error" if "error" in row
                     else f"{row['us']:.1f} ({row['pct_of_bound']:.0f}%, {row.get('kernels', '-')}); "
-                         f"{row['us_steady']:.1f} ({row['pct_of_bound_steady']:.0f}%)")
-            line += f"{cell:>40}"
+                         f"{row['us_steady']:.1f} ({row['pct_of_bound_steady']:.0f}%); "
+                         f"{row['us_chained']:.1f} ({row['pct_of_bound_chained']:.0f}%), "
+                         f"{row['us_chained_steady']:.1f} ({row['pct_of_bound_chained_steady']:.0f}%)")
+            line += f"{cell:>72}"
         print(line)
 
 

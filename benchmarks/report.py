@@ -278,12 +278,17 @@ def decode_section(results: dict) -> list[str]:
         lines += ["### Decoder layer decode step (Llama-3-8B shapes, bf16, one new token per row)", "",
                   f"{formulas['layer_step']}.", "",
                   "| B × context | impl | µs | bound µs | % of bound | µs back to back | % of bound back to back "
-                  "| kernels | bytes | rel. err vs hf_eager |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| chained: µs (% of bound) | chained, back to back: µs (%) | kernels | bytes "
+                  "| rel. err vs hf_eager |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in steps:
             error = f" ({r['error']})" if "error" in r else ""
             figures = " | ".join(_layer_step_cell(r, key, ".1f")
                                  for key in ("us", "bound_us", "pct_of_bound", "us_steady", "pct_of_bound_steady"))
+            for us, pct in (("us_chained", "pct_of_bound_chained"),
+                            ("us_chained_steady", "pct_of_bound_chained_steady")):
+                cell = _layer_step_cell(r, us, ".1f")
+                figures += f" | {cell} ({r[pct]:.1f})" if r.get(us) is not None and "error" not in r else f" | {cell}"
             lines.append(f"| {r['batch']} × {r['context']} | {r['impl']}{error} | {figures} | {r.get('kernels', '—')} "
                          f"| {r['bytes']} | {r.get('rel_err_vs_hf_eager', '—')} |")
         lines.append("")

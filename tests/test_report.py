@@ -124,20 +124,22 @@ def test_decode_section_renders_the_prefill_layer_rows(report):
 
 
 def test_decode_section_renders_the_back_to_back_layer_step_and_older_rows(report):
-    """A layer-step row with the back-to-back (no L2 flush) figures shows them; one from a run before them shows a
-    dash there; a failed row says error."""
+    """A layer-step row with the back-to-back (no L2 flush) and chained figures shows them; one from a run before them
+    shows a dash there; a failed row says error."""
     step = {"what": "layer_step", "batch": 1, "context": 512, "bytes": 438, "kernels": 5, "bound_us": 103.8,
             "rel_err_vs_hf_eager": 0.001}
     results = {"gpu": "GPU", "torch": "t", "triton": "tr", "transformers": "tf", "date": "d", "copy_gbps": 4222.0,
                "copy_gbps_steady": 4301.0, "formulas": {"copy_gbps": "c", "layer_step": "bytes / copy"},
                "rows": [{**step, "impl": "fuselm", "us": 136.0, "pct_of_bound": 76.3, "us_steady": 121.0,
-                         "pct_of_bound_steady": 84.2},
+                         "pct_of_bound_steady": 84.2, "us_chained": 124.5, "pct_of_bound_chained": 83.4,
+                         "us_chained_steady": 119.0, "pct_of_bound_chained_steady": 85.6},
                         {**step, "impl": "hf_eager", "us": 256.2, "pct_of_bound": 40.5},
                         {**step, "impl": "hf_compile", "error": "RuntimeError: x"}]}
     lines = report.decode_section(results)
     assert any("back to back, without the L2 flush: 4301 GB/s." in line for line in lines)
-    assert "| 1 × 512 | fuselm | 136.0 | 103.8 | 76.3 | 121.0 | 84.2 | 5 | 438 | 0.001 |" in lines
-    assert "| 1 × 512 | hf_eager | 256.2 | 103.8 | 40.5 | — | — | 5 | 438 | 0.001 |" in lines
+    chained = "| 124.5 (83.4) | 119.0 (85.6) |"
+    assert f"| 1 × 512 | fuselm | 136.0 | 103.8 | 76.3 | 121.0 | 84.2 {chained} 5 | 438 | 0.001 |" in lines
+    assert "| 1 × 512 | hf_eager | 256.2 | 103.8 | 40.5 | — | — | — | — | 5 | 438 | 0.001 |" in lines
     assert any(line.startswith("| 1 × 512 | hf_compile (RuntimeError: x) | error | error |") for line in lines)
 
 
