@@ -19,7 +19,9 @@ alike: HF's causal mask (its model builds it once per forward), and the opening 
 += T and the slots the step writes: two small kernels that layer 0 runs once per forward), done once before
 capture. Each replay first resets the cache's length (one small fill kernel, inside the timed graph: HF's StaticCache
 layer counts its positions up each call; fuselm's is the same fill, its value unchanged), so every replay runs at the
-same context. Implementations:
+same context. The chained figures time one graph of ``CHAIN_STEPS`` steps after one reset, per step: a decode runs its
+layers back to back, each one's first kernel after the last one's final kernel, with no graph launch or reset between
+them (HF's cache then counts ``CHAIN_STEPS`` more positions over the graph). Implementations:
 
 - ``fuselm``: ``fuselm.patch(layer)`` with a ``fuselm.generation.FusedKVCache`` (the fused decode path when the
   patched layer has one; else HF's attention through the cache's ``update``), ``attention_mask=None``;
