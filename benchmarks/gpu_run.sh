@@ -114,7 +114,8 @@ if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
 fi
 if [ -n "${FUSELM_AB:-}" ]; then  # the layer step under each environment setting of FUSELM_AB, alternating, twice
-  # e.g. FUSELM_AB="FUSELM_DEPENDENT_MAX_ROWS=8 FUSELM_DEPENDENT_MAX_ROWS=32"; with FUSELM_AB_GENERATE=1 also
+  # e.g. FUSELM_AB="FUSELM_DEPENDENT_MAX_ROWS=8 FUSELM_DEPENDENT_MAX_ROWS=32 FUSELM_DEPENDENT_MAX_ROWS=8,qkv_rope=32"
+  # (a limit for every op, then one op's: fuselm/ops/_common.py); with FUSELM_AB_GENERATE=1 also
   # fuselm.generate at B = 1 and 32 (e2e.py), each setting in its own process
   for run in 1 2; do
     for setting in $FUSELM_AB; do

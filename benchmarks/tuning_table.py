@@ -12,8 +12,8 @@ picks keep their sources), so one new run's timed picks replace only the keys it
     python benchmarks/tuning_table.py --update benchmarks/results/tune-decode-h200.json
 
 A table may also hold ``settings``: launch settings measured on that GPU by A/B runs, not by an autotuner (e.g.
-``dependent_max_rows``, each ``{"value", "source"}``), written by hand from those runs' results. Every rewrite keeps
-the shipped table's settings.
+``dependent_max_rows``, or ``dependent_max_rows.decode_attention`` for one op's kernel, each ``{"value", "source"}``),
+written by hand from those runs' results. Every rewrite keeps the shipped table's settings.
 """
 
 from __future__ import annotations

@@ -217,9 +217,11 @@ def sm_count(device: torch.device) -> int:
 # (session 26, H100, alternating runs) dependent launches at 32 rows took B32 x 1024 from 219.2-219.6 to 216.9-217.0
 # us back to back, and B32's generate from 3933 to 3980 tok/s; on the H200 (session 30, alternating runs) they took it
 # from 168.3 to 175.1-175.2 us back to back, and B32's generate from 4880-4883 to 4723-4725 tok/s. So the row limit is
-# a measured per-GPU setting: the GPU's tuning table's ``dependent_max_rows`` (the H200's 8), else DEPENDENT_MAX_ROWS.
-# FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches every kernel as before;
-# FUSELM_DEPENDENT_MAX_ROWS overrides the row limit on every GPU (benchmarks' A/B); FUSELM_WEIGHT_PREFETCH sets the
+# a measured per-GPU setting: the GPU's tuning table's ``dependent_max_rows`` (the H200's 8), else DEPENDENT_MAX_ROWS;
+# a table may also set one op's limit (``dependent_max_rows.<op>``, the ops of DEPENDENT_OPS), since which of B32's
+# kernels lose on the H200 is not known yet. FUSELM_DEPENDENT_LAUNCH=0 (or ``use_dependent_launch = False``) launches
+# every kernel as before; FUSELM_DEPENDENT_MAX_ROWS overrides the limits on every GPU (benchmarks' A/B): a comma list
+# of ``N`` (every op) and ``op=N`` (that op), e.g. ``32,decode_attention=8``; FUSELM_WEIGHT_PREFETCH sets the
 # prefetched bytes per weight row (benchmarks; 0: none), FUSELM_KV_PREFETCH_TILES the K/V tiles per program
 # that decode attention prefetches before its wait (benchmarks; 0: none).
 def _env_count(name: str, default: int) -> int:
@@ -232,10 +234,28 @@ def _env_count(name: str, default: int) -> int:
     return int(text)
 
 
+DEPENDENT_OPS = ("qkv_rope", "decode_attention", "linear_residual", "norm_gated_linear")  # kernels launched dependently
+
+
+def _dependent_rows_override(text: str) -> dict[str | None, int]:
+    """FUSELM_DEPENDENT_MAX_ROWS's text -> {op: rows}, the key None for every op; a clear error for a bad item."""
+    limits: dict[str | None, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op, _, rows = item.rpartition("=")
+        op = op.strip() or None
+        if op is not None and op not in DEPENDENT_OPS:
+            raise ValueError(f"FUSELM_DEPENDENT_MAX_ROWS names an unknown op {op!r} in {text!r}; the ops are "
+                             f"{', '.join(DEPENDENT_OPS)}")
+        if not rows.strip().isdigit():
+            raise ValueError(f"FUSELM_DEPENDENT_MAX_ROWS must be a comma list of N and op=N, N a non-negative "
+                             f"integer; got {item!r} in {text!r}")
+        limits[op] = int(rows)
+    return limits
+
+
 use_dependent_launch = os.environ.get("FUSELM_DEPENDENT_LAUNCH", "1") != "0"
 DEPENDENT_MAX_ROWS = 32  # on a GPU whose tuning table sets no dependent_max_rows
-dependent_max_rows_override = (_env_count("FUSELM_DEPENDENT_MAX_ROWS", 0)
-                               if os.environ.get("FUSELM_DEPENDENT_MAX_ROWS", "").strip() else None)
+dependent_max_rows_override = _dependent_rows_override(os.environ.get("FUSELM_DEPENDENT_MAX_ROWS", ""))
 weight_prefetch_bytes = _env_count("FUSELM_WEIGHT_PREFETCH", 512)
 kv_prefetch_tiles = _env_count("FUSELM_KV_PREFETCH_TILES", 2)
 
@@ -245,20 +265,26 @@ def _supports_dependent_launch(device: torch.device) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def dependent_max_rows(device: torch.device) -> int:
-    """The most rows a launch on ``device`` (CUDA) may have and still be dependent: FUSELM_DEPENDENT_MAX_ROWS when
-    set, else the GPU's tuning table's ``dependent_max_rows`` setting, else DEPENDENT_MAX_ROWS."""
-    if dependent_max_rows_override is not None:
-        return dependent_max_rows_override
-    return tuning_settings(device_name(device)).get("dependent_max_rows", DEPENDENT_MAX_ROWS)
+def dependent_max_rows(device: torch.device, op: str) -> int:
+    """The most rows a launch of ``op`` (one of DEPENDENT_OPS) on ``device`` (CUDA) may have and still be dependent,
+    the first found of: FUSELM_DEPENDENT_MAX_ROWS's ``op=N``, its ``N``, the GPU's tuning table's
+    ``dependent_max_rows.<op>`` and ``dependent_max_rows`` settings, DEPENDENT_MAX_ROWS."""
+    for key in (op, None):
+        if key in dependent_max_rows_override:
+            return dependent_max_rows_override[key]
+    settings = tuning_settings(device_name(device))
+    return settings.get(f"dependent_max_rows.{op}", settings.get("dependent_max_rows", DEPENDENT_MAX_ROWS))
 
 
-def dependent_launch(device: torch.device, n_rows: int, prefetch: bool = True) -> dict:
-    """The launch keywords of a kernel with a ``DEPENDENT`` constexpr (and, with ``prefetch``, ``PREFETCH_LINES``:
-    128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to :func:`dependent_max_rows` rows
-    where the GPU (sm_90+) and triton support it; off (both 0) elsewhere, the interpreter included."""
+def dependent_launch(device: torch.device, n_rows: int, *, op: str, prefetch: bool = True) -> dict:
+    """The launch keywords of ``op``'s kernel (one of DEPENDENT_OPS), which has a ``DEPENDENT`` constexpr (and, with
+    ``prefetch``, ``PREFETCH_LINES``: 128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to
+    :func:`dependent_max_rows` rows where the GPU (sm_90+) and triton support it; off (both 0) elsewhere, the
+    interpreter included."""
+    if op not in DEPENDENT_OPS:
+        raise ValueError(f"op must be one of {DEPENDENT_OPS}, got {op!r}")
     on = (use_dependent_launch and n_rows > 0 and not INTERPRETING and device.type == "cuda"
-          and _supports_dependent_launch(device) and n_rows <= dependent_max_rows(device))
+          and _supports_dependent_launch(device) and n_rows <= dependent_max_rows(device, op))
     lines = {"PREFETCH_LINES": triton.next_power_of_2(weight_prefetch_bytes // 128) if on and weight_prefetch_bytes
              >= 128 else 0} if prefetch else {}
     return {"DEPENDENT": True, "launch_pdl": True, **lines} if on else {"DEPENDENT": False, **lines}

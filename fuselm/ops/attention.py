@@ -382,7 +382,7 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     partial_stats = new_output((units, n_splits, 2, block_m), torch.float32, q.device)
     partial_out = new_output((units, n_splits, block_m, block_d), torch.float32, q.device)
     grid = (n_splits, n_kv_heads * row_blocks, batch)
-    launch = dependent_launch(q.device, batch * n_queries, prefetch=False)
+    launch = dependent_launch(q.device, batch * n_queries, op="decode_attention", prefetch=False)
     launch["PREFETCH_TILES"] = kv_prefetch_tiles if launch["DEPENDENT"] else 0
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),

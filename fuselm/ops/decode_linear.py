@@ -718,7 +718,8 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
         x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows),
-        **_whole_tiles(_LINEAR_RESIDUAL_CONFIGS, n_inner, n_out), **dependent_launch(x.device, n_rows))
+        **_whole_tiles(_LINEAR_RESIDUAL_CONFIGS, n_inner, n_out),
+        **dependent_launch(x.device, n_rows, op="linear_residual"))
     return out
 
 
@@ -736,7 +737,8 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
         HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
-        **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out), **dependent_launch(x.device, n_rows))
+        **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out),
+        **dependent_launch(x.device, n_rows, op="norm_gated_linear"))
     return out
 
 
@@ -788,7 +790,7 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **head_blocks,
         EVEN_K=_even_k(_QKV_CONFIGS, x2.shape[1]), FULL_HALF=cos.shape[-1] // 2 == head_blocks["BLOCK_HALF_HEAD"],
-        **dependent_launch(x.device, x2.shape[0]))
+        **dependent_launch(x.device, x2.shape[0], op="qkv_rope"))
     return q_out
 
 

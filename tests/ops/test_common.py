@@ -330,27 +330,33 @@ def test_the_shipped_tuning_tables_name_configs_their_kernels_have():
 
 
 def test_dependent_launch_is_off_on_the_cpu_and_in_the_interpreter():
-    assert _common.dependent_launch(torch.device("cpu"), 1) == {"DEPENDENT": False, "PREFETCH_LINES": 0}
-    assert _common.dependent_launch(torch.device("cpu"), 1, prefetch=False) == {"DEPENDENT": False}
+    cpu = torch.device("cpu")
+    assert _common.dependent_launch(cpu, 1, op="qkv_rope") == {"DEPENDENT": False, "PREFETCH_LINES": 0}
+    assert _common.dependent_launch(cpu, 1, op="decode_attention", prefetch=False) == {"DEPENDENT": False}
+
+
+def test_dependent_launch_names_a_bad_op():
+    with pytest.raises(ValueError, match="op must be one of .*'o_proj'"):
+        _common.dependent_launch(torch.device("cpu"), 1, op="o_proj")
 
 
 def test_dependent_launch_is_on_for_few_rows_where_the_gpu_supports_it(monkeypatch):
     """The launch keywords as a supporting GPU gets them (the GPU and the interpreter check stood in for)."""
     monkeypatch.setattr(_common, "INTERPRETING", False)
     monkeypatch.setattr(_common, "_supports_dependent_launch", lambda device: True)
-    monkeypatch.setattr(_common, "dependent_max_rows_override", None)
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {})
     monkeypatch.setattr(_common, "device_name", lambda device: "GPU without a table")
     monkeypatch.setattr(_common, "weight_prefetch_bytes", 512)
-    cuda = torch.device("cuda", 0)
-    assert _common.dependent_launch(cuda, 1) == {"DEPENDENT": True, "launch_pdl": True, "PREFETCH_LINES": 4}
-    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS, prefetch=False) == {"DEPENDENT": True,
-                                                                                          "launch_pdl": True}
-    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS + 1)["DEPENDENT"] is False
-    assert _common.dependent_launch(cuda, 0)["DEPENDENT"] is False
+    cuda, op = torch.device("cuda", 0), "linear_residual"
+    assert _common.dependent_launch(cuda, 1, op=op) == {"DEPENDENT": True, "launch_pdl": True, "PREFETCH_LINES": 4}
+    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS, op=op, prefetch=False) == {
+        "DEPENDENT": True, "launch_pdl": True}
+    assert _common.dependent_launch(cuda, _common.DEPENDENT_MAX_ROWS + 1, op=op)["DEPENDENT"] is False
+    assert _common.dependent_launch(cuda, 0, op=op)["DEPENDENT"] is False
     monkeypatch.setattr(_common, "weight_prefetch_bytes", 0)
-    assert _common.dependent_launch(cuda, 1)["PREFETCH_LINES"] == 0
+    assert _common.dependent_launch(cuda, 1, op=op)["PREFETCH_LINES"] == 0
     monkeypatch.setattr(_common, "use_dependent_launch", False)
-    assert _common.dependent_launch(cuda, 1) == {"DEPENDENT": False, "PREFETCH_LINES": 0}
+    assert _common.dependent_launch(cuda, 1, op=op) == {"DEPENDENT": False, "PREFETCH_LINES": 0}
 
 
 @pytest.mark.gpu
@@ -386,25 +392,50 @@ def test_the_dependent_row_limit_is_the_gpus_tuning_setting_unless_the_environme
     picks off too; a GPU without one gets DEPENDENT_MAX_ROWS; FUSELM_DEPENDENT_MAX_ROWS (read at import) wins."""
     monkeypatch.setattr(_common, "INTERPRETING", False)
     monkeypatch.setattr(_common, "_supports_dependent_launch", lambda device: True)
-    monkeypatch.setattr(_common, "dependent_max_rows_override", None)
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {})
     monkeypatch.setattr(_common, "TUNING_DIR", tmp_path)
     (tmp_path / "test-gpu-9.json").write_text(json.dumps({"gpu": "Test GPU 9", "picks": [], "settings": {
-        "dependent_max_rows": {"value": 8, "source": "results.json"}}}))
+        "dependent_max_rows": {"value": 8, "source": "results.json"},
+        "dependent_max_rows.decode_attention": {"value": 32, "source": "ab.json"}}}))
     names = {0: "Test GPU 9", 1: "GPU without a table"}
     monkeypatch.setattr(_common, "device_name", lambda device: names[device.index])
     _forget_tables()
     tabled, untabled = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert _common.tuning_settings("Test GPU 9") == {"dependent_max_rows": 8}
-    assert _common.dependent_launch(tabled, 8)["DEPENDENT"] is True
-    assert _common.dependent_launch(tabled, 9)["DEPENDENT"] is False
+
+    def dependent(device, rows, op="qkv_rope"):
+        return _common.dependent_launch(device, rows, op=op)["DEPENDENT"]
+
+    assert _common.tuning_settings("Test GPU 9") == {"dependent_max_rows": 8, "dependent_max_rows.decode_attention": 32}
+    assert dependent(tabled, 8) and not dependent(tabled, 9)
+    assert dependent(tabled, 32, "decode_attention") and not dependent(tabled, 33, "decode_attention")
     monkeypatch.setattr(_common, "use_tuning_table", False)
-    assert _common.dependent_launch(tabled, 9)["DEPENDENT"] is False
-    assert _common.dependent_launch(untabled, _common.DEPENDENT_MAX_ROWS)["DEPENDENT"] is True
-    assert _common.dependent_launch(untabled, _common.DEPENDENT_MAX_ROWS + 1)["DEPENDENT"] is False
-    monkeypatch.setattr(_common, "dependent_max_rows_override", 16)
-    assert _common.dependent_launch(tabled, 16)["DEPENDENT"] is True
-    assert _common.dependent_launch(untabled, 17)["DEPENDENT"] is False
+    assert not dependent(tabled, 9)
+    assert dependent(untabled, _common.DEPENDENT_MAX_ROWS) and not dependent(untabled, _common.DEPENDENT_MAX_ROWS + 1)
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {None: 16})
+    assert dependent(tabled, 16) and dependent(tabled, 16, "decode_attention") and not dependent(tabled, 17)
+    assert not dependent(untabled, 17)
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {None: 32, "linear_residual": 8})
+    assert dependent(tabled, 32) and dependent(tabled, 32, "decode_attention")
+    assert dependent(tabled, 8, "linear_residual") and not dependent(tabled, 9, "linear_residual")
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {"norm_gated_linear": 1})
+    assert dependent(tabled, 8) and not dependent(tabled, 9) and dependent(untabled, _common.DEPENDENT_MAX_ROWS)
+    assert not dependent(untabled, 2, "norm_gated_linear")
     _forget_tables()
+
+
+@pytest.mark.parametrize(("text", "limits"), [("", {}), (" 8 ", {None: 8}),
+                                              ("32, decode_attention=8", {None: 32, "decode_attention": 8}),
+                                              ("qkv_rope=0,linear_residual=1", {"qkv_rope": 0, "linear_residual": 1})])
+def test_the_dependent_row_override_reads_a_limit_for_all_ops_and_per_op(text, limits):
+    assert _common._dependent_rows_override(text) == limits
+
+
+@pytest.mark.parametrize(("text", "match"), [("eight", "comma list of N and op=N"), ("-1", "got '-1'"),
+                                             ("8,o_proj=2", "unknown op 'o_proj'.*the ops are qkv_rope"),
+                                             ("qkv_rope=", "got 'qkv_rope='")])
+def test_a_bad_dependent_row_override_names_the_variable(text, match):
+    with pytest.raises(ValueError, match=f"FUSELM_DEPENDENT_MAX_ROWS.*{match}"):
+        _common._dependent_rows_override(text)
 
 
 def test_the_h200_table_sets_its_dependent_row_limit():
@@ -413,11 +444,11 @@ def test_the_h200_table_sets_its_dependent_row_limit():
 
 
 def test_integer_environment_settings_read_or_name_themselves_when_bad(monkeypatch):
-    monkeypatch.delenv("FUSELM_DEPENDENT_MAX_ROWS", raising=False)
-    assert _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32) == 32
-    monkeypatch.setenv("FUSELM_DEPENDENT_MAX_ROWS", " 8 ")
-    assert _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32) == 8
+    monkeypatch.delenv("FUSELM_WEIGHT_PREFETCH", raising=False)
+    assert _common._env_count("FUSELM_WEIGHT_PREFETCH", 512) == 512
+    monkeypatch.setenv("FUSELM_WEIGHT_PREFETCH", " 256 ")
+    assert _common._env_count("FUSELM_WEIGHT_PREFETCH", 512) == 256
     for bad in ("eight", "-1", "2.5"):
-        monkeypatch.setenv("FUSELM_DEPENDENT_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match="FUSELM_DEPENDENT_MAX_ROWS must be a non-negative integer"):
-            _common._env_count("FUSELM_DEPENDENT_MAX_ROWS", 32)
+        monkeypatch.setenv("FUSELM_WEIGHT_PREFETCH", bad)
+        with pytest.raises(ValueError, match="FUSELM_WEIGHT_PREFETCH must be a non-negative integer"):
+            _common._env_count("FUSELM_WEIGHT_PREFETCH", 512)
