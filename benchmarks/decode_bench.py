@@ -69,6 +69,7 @@ from transformers.models.llama.modeling_llama import (
 
 import fuselm
 from fuselm.generation import FusedKVCache
+from fuselm.ops import _common
 from fuselm.ops._common import autotune_picks
 
 WHATS = ("layer_step", "attention", "projection", "prefill_layer")
@@ -483,6 +484,7 @@ def main() -> None:
                 rows += prefill_layer_rows(copy, smoke=args.smoke)
             else:
                 sampler = ClockSampler() if torch.cuda.is_available() else None
+                settings["layer_step"] = _common.dependent_settings()
                 layer_rows, report = layer_step_rows(copy, copy_steady, smoke=args.smoke, impls=tuple(args.impls),
                                                      sampler=sampler)
                 if sampler is not None:

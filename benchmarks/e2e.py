@@ -470,7 +470,7 @@ def main() -> None:
             "model": f"Llama-3-8B shape ({args.layers} layers), random weights, bf16, sdpa attention; greedy, "
                      f"prompt {args.prompt}, {args.new} new tokens",
             "triton_cache": "cold: an empty TRITON_CACHE_DIR" if args.cold_triton_cache else "as found",
-            "tuning_table": tuning_table_in_use(),
+            "tuning_table": tuning_table_in_use(), "dependent": _common.dependent_settings(),
             "train_model": f"{trained}, random weights, sdpa attention; {SETUP}; {args.train_steps} timed steps "
                            "after 2 untimed ones; each impl in its own process",
             "rows": [{**row, "run_date": run_date} for row in rows],

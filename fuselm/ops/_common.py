@@ -276,6 +276,16 @@ def dependent_max_rows(device: torch.device, op: str) -> int:
     return settings.get(f"dependent_max_rows.{op}", settings.get("dependent_max_rows", DEPENDENT_MAX_ROWS))
 
 
+def dependent_settings() -> dict:
+    """Whether this process launches dependently and, on its current CUDA device, each op's row limit (what a benchmark
+    run records beside its rows)."""
+    if not (use_dependent_launch and torch.cuda.is_available()):
+        return {"dependent_launch": False}
+    device = torch.device("cuda", torch.cuda.current_device())
+    return {"dependent_launch": _supports_dependent_launch(device),
+            "dependent_max_rows": {op: dependent_max_rows(device, op) for op in DEPENDENT_OPS}}
+
+
 def dependent_launch(device: torch.device, n_rows: int, *, op: str, prefetch: bool = True) -> dict:
     """The launch keywords of ``op``'s kernel (one of DEPENDENT_OPS), which has a ``DEPENDENT`` constexpr (and, with
     ``prefetch``, ``PREFETCH_LINES``: 128-byte lines per weight row to prefetch): on, with ``launch_pdl``, for up to

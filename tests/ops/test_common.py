@@ -423,6 +423,21 @@ def test_the_dependent_row_limit_is_the_gpus_tuning_setting_unless_the_environme
     _forget_tables()
 
 
+def test_dependent_settings_say_which_launches_are_dependent(monkeypatch):
+    """What a benchmark records: off without CUDA or with FUSELM_DEPENDENT_LAUNCH=0; else each op's row limit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _common.dependent_settings() == {"dependent_launch": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_common, "_supports_dependent_launch", lambda device: True)
+    monkeypatch.setattr(_common, "device_name", lambda device: "GPU without a table")
+    monkeypatch.setattr(_common, "dependent_max_rows_override", {"qkv_rope": 16})
+    limits = dict.fromkeys(_common.DEPENDENT_OPS, _common.DEPENDENT_MAX_ROWS) | {"qkv_rope": 16}
+    assert _common.dependent_settings() == {"dependent_launch": True, "dependent_max_rows": limits}
+    monkeypatch.setattr(_common, "use_dependent_launch", False)
+    assert _common.dependent_settings() == {"dependent_launch": False}
+
+
 @pytest.mark.parametrize(("text", "limits"), [("", {}), (" 8 ", {None: 8}),
                                               ("32, decode_attention=8", {None: 32, "decode_attention": 8}),
                                               ("qkv_rope=0,linear_residual=1", {"qkv_rope": 0, "linear_residual": 1})])
