@@ -79,8 +79,10 @@ IMPLS = ("fuselm", "hf_eager", "hf_compile", "hf_fuselm_ops")
 BF16 = torch.bfloat16
 LAYER_SHAPES = [(1, 512), (1, 4096), (32, 1024)]  # (batch, context: positions in the cache before the step)
 SMOKE_LAYER_SHAPES = [(2, 8)]
-MAX_LEN_FACTOR = 2  # each cache holds max_len = 2 * context positions (HF's SDPA reads all of them)
-CHAIN_STEPS = 8  # steps of one graph in the chained figures; HF's StaticCache counts 8 more positions over them
+# each cache holds max_len = MAX_LEN_FACTOR * context positions (HF's SDPA reads all of them), and at least context + 1
+# + CHAIN_STEPS: HF's StaticCache writes each step of a chain at its next position
+MAX_LEN_FACTOR = 2
+CHAIN_STEPS = 8  # steps of one graph in the chained figures
 LAYER_FORMULA = ("bytes = layer weights (every parameter) + KV read (valid positions only: 2 * B * Hkv * context "
                  "* D * 2) + KV written (2 * B * Hkv * D * 2) + activations (hidden in and out: 2 * B * hidden * 2); "
                  "bound_us = bytes / copy_gbps; pct_of_bound = bound_us / us = pct_of_copy (bytes / us against "
@@ -143,7 +145,8 @@ class StepInputs:
 
 
 def step_inputs(config: LlamaConfig, batch: int, context: int, device: str) -> StepInputs:
-    kv_heads, head_dim, max_len = config.num_key_value_heads, config.head_dim, MAX_LEN_FACTOR * context
+    max_len = max(MAX_LEN_FACTOR * context, context + 1 + CHAIN_STEPS)
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
     hidden = torch.randn(batch, 1, config.hidden_size, device=device, dtype=BF16)
     position_ids = torch.full((batch, 1), context, device=device)
     cos_sin = LlamaRotaryEmbedding(config).to(device)(hidden, position_ids)
@@ -216,14 +219,16 @@ def layer_step_bytes(layer: torch.nn.Module, config: LlamaConfig, batch: int, co
 
 
 def layer_step_rows(copy: float, copy_steady: float, *, smoke: bool = False, impls: tuple[str, ...] = IMPLS,
-                    sampler: ClockSampler | None = None) -> tuple[list[dict], str]:
-    """The layer-step rows (every impl at each shape) and fuselm.patch's report on the layer; with ``sampler``, each
-    row's ``clocks``: nvidia-smi's SM clock, power and throttle reasons over its timed replays."""
+                    sampler: ClockSampler | None = None,
+                    shapes: tuple[tuple[int, int], ...] | None = None) -> tuple[list[dict], str]:
+    """The layer-step rows (every impl at each (batch, context) of ``shapes``, default LAYER_SHAPES) and fuselm.patch's
+    report on the layer; with ``sampler``, each row's ``clocks``: nvidia-smi's SM clock, power and throttle reasons
+    over its timed replays."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = llama_config(smoke)
     layer = new_layer(config, device, LAYER_STEP_INDEX)
     rows, report = [], ""
-    for batch, context in SMOKE_LAYER_SHAPES if smoke else LAYER_SHAPES:
+    for batch, context in shapes or (SMOKE_LAYER_SHAPES if smoke else LAYER_SHAPES):
         s = step_inputs(config, batch, context, device)
         counted = layer_step_bytes(layer, config, batch, context)
         total = sum(counted.values())
@@ -381,18 +386,20 @@ SMOKE_MAX_REL_ERR = 2e-2  # bf16 layer outputs against HF eager's (the GPU runs 
 
 
 def check_smoke(rows: list[dict]) -> None:
-    """--smoke: every layer-step impl that ran gave finite outputs of one shape, within SMOKE_MAX_REL_ERR of HF
-    eager's (a head_dim decode_attention supports, so fuselm's row runs the fused decode path); every what produced
-    rows."""
+    """--smoke: every layer-step impl that ran gave finite outputs of its shape's [batch, 1, hidden], within
+    SMOKE_MAX_REL_ERR of HF eager's (a head_dim decode_attention supports, so fuselm's row runs the fused decode path);
+    every what produced rows."""
     steps = [row for row in rows if row["what"] == "layer_step"]
     bad = [f"{row['impl']}: {row.get('error') or 'not finite'}" for row in steps
            if not row.get("finite") and not (row["impl"] == "hf_compile" and "error" in row)]
     bad += [f"{row['impl']}: {row['rel_err_vs_hf_eager']} from HF eager" for row in steps
             if row.get("rel_err_vs_hf_eager", 0) > SMOKE_MAX_REL_ERR]
-    shapes = {tuple(row["out_shape"]) for row in steps if "out_shape" in row}
-    if bad or len(shapes) != 1:
+    bad += [f"{row['impl']}: output {row['out_shape']} at batch {row['batch']}" for row in steps
+            if "out_shape" in row and row["out_shape"][:2] != [row["batch"], 1]]
+    shapes = sorted({tuple(row["out_shape"]) for row in steps if "out_shape" in row})
+    if bad or not shapes:
         raise SystemExit(f"smoke check failed: {bad or ''} output shapes {shapes}")
-    print(f"smoke check: {len(steps)} layer-step rows, outputs finite, shape {shapes.pop()}")
+    print(f"smoke check: {len(steps)} layer-step rows, outputs finite, shapes {shapes}")
 
 
 def print_layer_table(rows: list[dict], copy: float) -> None:
@@ -417,6 +424,15 @@ def print_layer_table(rows: list[dict], copy: float) -> None:
         print(line)
 
 
+def layer_shape(text: str) -> tuple[int, int]:
+    """'32x1024' -> (32, 1024): a layer-step shape, batch x context, both positive."""
+    batch, sep, context = text.lower().partition("x")
+    if not (sep and batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0):
+        raise argparse.ArgumentTypeError(f"a layer-step shape is BxCONTEXT with both positive, e.g. 32x1024; got "
+                                         f"{text!r}")
+    return int(batch), int(context)
+
+
 def git_commit() -> str | None:
     try:
         # -dirty: the tree differs from that commit (a copied working tree, e.g. the device tool's, whose git
@@ -434,6 +450,8 @@ def main() -> None:
     parser.add_argument("--only", choices=WHATS, action="append", help="run only these row kinds (repeatable)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, wall clock (checks the script)")
     parser.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS), help="layer-step impls")
+    parser.add_argument("--layer-shapes", type=layer_shape, nargs="+", default=None, metavar="BxCONTEXT",
+                        help="layer-step shapes, e.g. 32x1024 (default: 1x512 1x4096 32x1024; smoke: 2x8)")
     parser.add_argument("--rows", type=int, nargs="*", default=list(decode_linear_bench.ROWS),
                         help="projection M values (above decode_linear.MAX_STREAMING_ROWS the fused ops take cuBLAS)")
     parser.add_argument("--sweep-programs-per-sm", type=int, nargs="*", default=[],
@@ -486,7 +504,7 @@ def main() -> None:
                 sampler = ClockSampler() if torch.cuda.is_available() else None
                 settings["layer_step"] = _common.dependent_settings()
                 layer_rows, report = layer_step_rows(copy, copy_steady, smoke=args.smoke, impls=tuple(args.impls),
-                                                     sampler=sampler)
+                                                     sampler=sampler, shapes=args.layer_shapes)
                 if sampler is not None:
                     sampler.stop()
                 rows += layer_rows

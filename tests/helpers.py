@@ -2,6 +2,7 @@
 value back to the host."""
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,11 +16,14 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def benchmark_script(name: str, monkeypatch=None) -> ModuleType:
     """``benchmarks/<name>.py`` loaded as a module. With pytest's ``monkeypatch``, benchmarks/ is on ``sys.path``
-    for the test, for the script's own imports of its neighbours (timing, training, ...)."""
+    for the test, for the script's own imports of its neighbours (timing, training, ...), and the module is in
+    ``sys.modules`` under ``name`` while the test runs (its dataclasses look their module up there)."""
     if monkeypatch is not None:
         monkeypatch.syspath_prepend(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
 
