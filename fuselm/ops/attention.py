@@ -45,6 +45,7 @@ from fuselm.backend import INTERPRETING, runs_triton
 from fuselm.ops._common import (
     FusedOp,
     autotune,
+    check_real,
     check_same,
     check_same_device,
     check_tensor,
@@ -164,12 +165,12 @@ def _row_pointers(base, heads, queries, d, stride_h, stride_t, stride_d):
 
 
 @triton.jit
-def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUERIES: tl.constexpr,
+def _visible_chunks(start_ptr, end_ptr, cache_len, window, n_splits, N_QUERIES: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, LOAD_CACHE: tl.constexpr):
-    """Row b's start and end (loaded with the cache modifier LOAD_CACHE), its visible span [lo, hi) of the cache,
-    the span's chunk per split (whole K/V tiles) and how many splits have a non-empty chunk."""
-    start = tl.maximum(tl.load(starts_ptr + b, cache_modifier=LOAD_CACHE).to(tl.int32), 0)
-    end = tl.load(ends_ptr + b, cache_modifier=LOAD_CACHE).to(tl.int32)
+    """The row's start and end (at start_ptr, end_ptr; loaded with the cache modifier LOAD_CACHE), its visible span
+    [lo, hi) of the cache, the span's chunk per split (whole K/V tiles) and how many splits have a non-empty chunk."""
+    start = tl.maximum(tl.load(start_ptr, cache_modifier=LOAD_CACHE).to(tl.int32), 0)
+    end = tl.load(end_ptr, cache_modifier=LOAD_CACHE).to(tl.int32)
     hi = tl.minimum(end, cache_len)
     lo = start
     if HAS_WINDOW:
@@ -180,7 +181,7 @@ def _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits, N_QUER
 
 
 @triton.jit
-def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
+def _prefetch_chunk(k_base, v_base, start_ptr, end_ptr, split, cache_len, window, n_splits, stride_kl,
                     stride_kd, stride_vl, stride_vd, HEAD_DIM: tl.constexpr, N_QUERIES: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, PREFETCH_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr):
@@ -191,8 +192,8 @@ def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, w
     so a line prefetched stale or while written is never wrong, and the lengths are read here at L2 (.cg), leaving
     no line in L1 for the reads after the wait to find.
     """
-    _, _, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
-                                                    N_QUERIES, HAS_WINDOW, BLOCK_N, ".cg")
+    _, _, lo, hi, chunk, n_active = _visible_chunks(start_ptr, end_ptr, cache_len, window, n_splits, N_QUERIES,
+                                                    HAS_WINDOW, BLOCK_N, ".cg")
     if split < n_active:
         per_line: tl.constexpr = 1024 // k_base.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
         lines = tl.arange(0, (BLOCK_D + per_line - 1) // per_line) * per_line
@@ -208,7 +209,7 @@ def _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, w
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr, out_ptr, partial_out_ptr, partial_stats_ptr, tickets_ptr,
-    scale, softcap, window, cache_len, n_splits,
+    scale, softcap, window, cache_len, n_splits, stride_starts, stride_ends,
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, N_QUERIES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -234,16 +235,17 @@ def _decode_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     k_base = k_ptr + b * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head.to(tl.int64) * stride_vh
+    start_ptr, end_ptr = starts_ptr + b * stride_starts, ends_ptr + b * stride_ends
     if PREFETCH_TILES > 0:  # (dependent launches) while the kernel before finishes: its first K/V tiles into L2
-        _prefetch_chunk(k_base, v_base, starts_ptr, ends_ptr, b, split, cache_len, window, n_splits, stride_kl,
+        _prefetch_chunk(k_base, v_base, start_ptr, end_ptr, split, cache_len, window, n_splits, stride_kl,
                         stride_kd, stride_vl, stride_vd, HEAD_DIM, N_QUERIES, HAS_WINDOW, PREFETCH_TILES, BLOCK_D,
                         BLOCK_N)
     wait_for_previous_kernel(DEPENDENT)
     # q is read before the lengths, by every program, so that its latency overlaps theirs
     q = tl.load(_row_pointers(q_ptr + b * stride_qb, heads, queries, d, stride_qh, stride_qt, stride_qd),
                 mask=out_mask, other=0.0)
-    start, end, lo, hi, chunk, n_active = _visible_chunks(starts_ptr, ends_ptr, b, cache_len, window, n_splits,
-                                                          N_QUERIES, HAS_WINDOW, BLOCK_N, "")
+    start, end, lo, hi, chunk, n_active = _visible_chunks(start_ptr, end_ptr, cache_len, window, n_splits, N_QUERIES,
+                                                          HAS_WINDOW, BLOCK_N, "")
 
     out_base = out_ptr + b * stride_ob
     out_ptrs = _row_pointers(out_base, heads, queries, d, stride_oh, stride_ot, stride_od)
@@ -386,7 +388,8 @@ def _decode_attention_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: 
     launch["PREFETCH_TILES"] = kv_prefetch_tiles if launch["DEPENDENT"] else 0
     _decode_attention[grid](
         q, k_cache, v_cache, starts, ends, out, partial_out, partial_stats, zeroed_counters(q.device, units),
-        scale, softcap, window, cache_len, n_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        scale, softcap, window, cache_len, n_splits, starts.stride(0), ends.stride(0), *q.stride(), *k_cache.stride(),
+        *v_cache.stride(), *out.stride(),
         HEAD_DIM=head_dim, GROUP=group, N_QUERIES=n_queries, HAS_SOFTCAP=softcap > 0, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_D=block_d,
         COMBINE_ROWS=combine_rows, COMBINE_SPLITS=combine_splits, **launch,
@@ -433,7 +436,7 @@ def _check_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor, end
         raise ValueError(f"q's {n_heads} heads must be a multiple of k_cache's {n_kv_heads} kv heads (GQA)")
     _check_lengths("starts", starts, q)
     _check_lengths("ends", ends, q)
-    if not softcap >= 0:
+    if not check_real("softcap", softcap) >= 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0 = off), got {window!r}")
@@ -451,6 +454,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, starts: Tensor
         starts, ends: [B] int32 or int64 on q's device: row b's valid cache positions are
             [starts[b], ends[b]), its T queries sit at positions ends[b] - T .. ends[b] - 1, causal among
             themselves. Values are read on the device (no host sync); positions outside [0, L) are never read.
+            Any strides (e.g. the columns of one [B, 2] tensor, or one value expanded to [B]).
         scale: softmax scale, default D ** -0.5.
         softcap: 0 = off; else logits become softcap * tanh(logits / softcap) after the scale (Gemma 2).
         window: 0 = off; else a query at position p sees only positions > p - window (HF's sliding window).

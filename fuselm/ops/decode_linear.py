@@ -132,10 +132,13 @@ def _qkv_weights(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, num_heads
 
 
 def _write_cache(cache: Tensor, new: Tensor, cache_positions: Tensor) -> None:
-    """cache [B, H, L, D][b, :, cache_positions[b, t]] = new[b, t] for new [B, T, H, D]."""
+    """cache [B, H, L, D][b, :, cache_positions[b, t]] = new[b, t] for new [B, T, H, D]; a position outside [0, L)
+    writes nothing (as the kernels do)."""
     batch, seq_len = new.shape[:2]
     positions = cache_positions.expand(batch, seq_len).long()
-    cache[torch.arange(batch, device=cache.device)[:, None], :, positions] = new.to(cache.dtype)
+    rows = torch.arange(batch, device=cache.device)[:, None].expand(batch, seq_len)
+    inside = (positions >= 0) & (positions < cache.shape[2])
+    cache[rows[inside], :, positions[inside]] = new[inside].to(cache.dtype)
 
 
 def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor, k_weight: Tensor | None,

@@ -147,6 +147,21 @@ def test_non_contiguous_inputs(path, dtype):
     check_case(case, dtype, q, k_cache, v_cache)
 
 
+def test_strided_and_expanded_lengths(path):
+    """starts/ends as the columns of one [B, 2] tensor (stride 2), and one value expanded to every row (stride 0)."""
+    case = CASES["ratio1-many-splits-left-pad"]
+    q, k_cache, v_cache, starts, ends = make_inputs(case, torch.float32)
+    bounds = torch.stack([starts, ends], dim=1)
+    with splits(case.splits):
+        out = fuselm.decode_attention(q, k_cache, v_cache, bounds[:, 0], bounds[:, 1])
+        assert_close(out, float64_oracle(q, k_cache, v_cache, starts, ends, 64 ** -0.5), torch.float32)
+        one_end = torch.tensor([70], dtype=ends.dtype).expand(2)
+        one_start = torch.tensor([5], dtype=starts.dtype).expand(2)  # inside both rows: NaN lies outside them
+        out = fuselm.decode_attention(q, k_cache, v_cache, one_start, one_end)
+    assert_close(out, float64_oracle(q, k_cache, v_cache, one_start.contiguous(), one_end.contiguous(), 64 ** -0.5),
+                 torch.float32)
+
+
 def test_int64_lengths_and_explicit_scale(path):
     case = CASES["ratio1-many-splits-left-pad"]
     q, k_cache, v_cache, starts, ends = make_inputs(case, torch.float32)
@@ -284,6 +299,7 @@ BAD_INPUTS = [  # (how the arguments change, the exception, what its message nam
     ({"q": lambda t: t.expand(-1, -1, 17, -1)}, ValueError, "queries"),
     ({"q": lambda t: t.int()}, TypeError, "q"),
     ({"softcap": lambda _: -1.0}, ValueError, "softcap"),
+    ({"softcap": lambda _: None}, TypeError, "softcap"),  # HF configs hold None where soft-capping is off
     ({"window": lambda _: 2.5}, ValueError, "window"),
 ]
 

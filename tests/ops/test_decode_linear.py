@@ -185,9 +185,10 @@ def test_norm_in_prologue_and_norm_first_agree(monkeypatch, case):
 # ----------------------------------------------------------------------------------- qkv_rope
 def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16, rotary_dim=None, packed=False,
                 bias=False, head_norm=False, casting="llama", shared_positions=False, cos_batch=1, cache_len=None,
-                strided=False, hidden=40):
+                strided=False, hidden=40, outside=False):
     """(args, options) of a qkv_rope call; caches NaN. strided: x, cos and sin every other element of wider
-    tensors, caches [B, L, Hkv, D] in memory (viewed as [B, Hkv, L, D])."""
+    tensors, caches [B, L, Hkv, D] in memory (viewed as [B, Hkv, L, D]). outside: each row's first position -1 and
+    its last L (to be written nowhere)."""
     rotary_dim = rotary_dim or head_dim
     cache_len = cache_len or seq_len + 5
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -200,6 +201,8 @@ def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16,
         biases = dict(zip(("q_bias", "k_bias", "v_bias"), bias_all.split([q_size, kv_size, kv_size]))) if bias else {}
     positions = torch.stack([torch.randperm(cache_len, device=DEVICE)[:seq_len] for _ in range(batch)]) if batch else (
         torch.zeros(0, seq_len, dtype=torch.long, device=DEVICE))
+    if outside:
+        positions[:, 0], positions[:, -1] = -1, cache_len
     if shared_positions:
         positions = positions[0].int()
     angles = randn(cos_batch, seq_len, 2 * rotary_dim, scale=3.0)[..., ::2] if strided else randn(
@@ -272,6 +275,11 @@ def test_qkv_rope_last_only(path, variant, batch, seq_len):
         options = {**options, "cos_batch": batch}
     _check_qkv(batch, seq_len, torch.bfloat16, last_only=True, **options)
     _check_qkv(batch, seq_len, torch.float32, last_only=True, **options)
+
+
+@pytest.mark.parametrize(("batch", "seq_len"), [(1, 2), (2, 40)])
+def test_qkv_rope_positions_outside_the_cache_write_nothing(path, batch, seq_len):
+    _check_qkv(batch, seq_len, torch.float32, outside=True)
 
 
 @pytest.mark.parametrize(("batch", "seq_len"), [(2, 3), (2, 40)])
