@@ -195,10 +195,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     if x.dim() == 2:
         return x
+    rows = x.shape[:-1].numel()  # not -1: a view of [..., 0] cannot infer it
     try:
-        return x.view(-1, x.shape[-1])
+        return x.view(rows, x.shape[-1])
     except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+        return x.reshape(rows, x.shape[-1])
 
 
 @functools.cache

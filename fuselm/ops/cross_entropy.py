@@ -77,7 +77,8 @@ def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int
                             return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Plain PyTorch cross-entropy (the fallback and the test oracle). Arguments as :func:`cross_entropy`."""
     _check_cross_entropy_args(logits, labels)
-    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    ignore_index, label_smoothing, softcap, z_loss = _check_options(ignore_index, reduction, label_smoothing, softcap,
+                                                                    z_loss, num_items)
     rows, lse = _reference_rows(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index,
                                 label_smoothing, softcap, z_loss)
     return _finish(rows, lse, labels, ignore_index, reduction, z_loss, num_items, return_z_loss)
@@ -529,9 +530,12 @@ LINEAR_CROSS_ENTROPY = FusedOp("linear_cross_entropy", _linear_cross_entropy_imp
 
 
 # ----------------------------------------------------------------------------------- public API
-def _check_options(reduction: str, label_smoothing: float, softcap: float | None, z_loss: float,
-                   num_items: int | Tensor | None) -> tuple[float, float | None, float]:
-    """Checks the options; returns (label_smoothing, softcap, z_loss) as floats (softcap may be None)."""
+def _check_options(ignore_index: int, reduction: str, label_smoothing: float, softcap: float | None, z_loss: float,
+                   num_items: int | Tensor | None) -> tuple[int, float, float | None, float]:
+    """Checks the options; returns ignore_index as an int and (label_smoothing, softcap, z_loss) as floats (softcap
+    may be None)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     label_smoothing, z_loss = check_real("label_smoothing", label_smoothing), check_real("z_loss", z_loss)
     softcap = None if softcap is None else check_real("softcap", softcap)
     if reduction not in REDUCTIONS:
@@ -544,7 +548,7 @@ def _check_options(reduction: str, label_smoothing: float, softcap: float | None
         raise ValueError(f"z_loss must be a non-negative finite number, got {z_loss}")
     if num_items is not None:
         _check_num_items(num_items, reduction)
-    return label_smoothing, softcap, z_loss
+    return int(ignore_index), label_smoothing, softcap, z_loss
 
 
 def _check_num_items(num_items: int | Tensor, reduction: str) -> None:
@@ -657,7 +661,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, r
         ``return_z_loss``, ``(loss, z_loss_part)``. fp64 logits give fp64 (reference path).
     """
     _check_cross_entropy_args(logits, labels)
-    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    ignore_index, label_smoothing, softcap, z_loss = _check_options(ignore_index, reduction, label_smoothing, softcap,
+                                                                    z_loss, num_items)
     flat_labels = labels.reshape(-1)
     if runs_triton(logits):
         rows, lse = CROSS_ENTROPY(as_rows(logits), flat_labels, ignore_index, label_smoothing,
@@ -691,7 +696,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: T
         gradients (d hidden [N, H], d weight [V, H]), computed during the forward pass.
     """
     _check_linear_args(hidden, weight, labels, bias, chunk_tokens)
-    label_smoothing, softcap, z_loss = _check_options(reduction, label_smoothing, softcap, z_loss, num_items)
+    ignore_index, label_smoothing, softcap, z_loss = _check_options(ignore_index, reduction, label_smoothing, softcap,
+                                                                    z_loss, num_items)
     if not runs_triton(hidden):
         return linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,

@@ -58,7 +58,7 @@ from fuselm.ops._common import (
 from fuselm.ops._triton import tl, triton
 from fuselm.ops.glu import _REFERENCES as _GLU_REFERENCES
 from fuselm.ops.glu import ACTIVATIONS, _activation, gelu_tanh_mul, silu_mul
-from fuselm.ops.rms_norm import CASTINGS, rms_norm, rms_norm_reference
+from fuselm.ops.rms_norm import CASTINGS, check_norm_options, rms_norm, rms_norm_reference
 from fuselm.ops.rope import rope_reference
 
 MAX_STREAMING_ROWS = 64  # M = B * T up to this runs the weight-streaming kernels; above, cuBLAS
@@ -86,7 +86,7 @@ _INTERPRETER = tl.constexpr(INTERPRETING)
 
 # ----------------------------------------------------------------------------------- reference
 def _flat(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(x.shape[:-1].numel(), x.shape[-1])
 
 
 def linear_residual_reference(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -712,7 +712,7 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     x2, residual2, weight = as_rows(x), as_rows(residual), _unit_stride(weight)
     (n_rows, n_inner), n_out = x2.shape, weight.shape[0]
     out = new_output(residual.shape, x.dtype, x.device)
-    out2 = out.view(-1, n_out)
+    out2 = out.view(n_rows, n_out)
     # the split-K configs' workspace (static shape: every config fits it) and one ticket per column block
     partials = new_output((MAX_SPLIT_K, n_rows, n_out), torch.float32, x.device)
     tickets = zeroed_counters(x.device, n_out)
@@ -734,7 +734,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
     (n_rows, n_inner), n_out = x2.shape, gate.shape[0]
     out = new_output((*x.shape[:-1], n_out), x.dtype, x.device)
-    out2 = out.view(-1, n_out)
+    out2 = out.view(n_rows, n_out)
     grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
     _norm_gated_kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
@@ -882,10 +882,12 @@ def _check_vector(name: str, t: Tensor | None, size: int, x: Tensor, same_dtype:
     (check_same if same_dtype else check_same_device)("x", x, **{name: t})
 
 
-def _check_norm(casting: str, norm_weight: Tensor | None, x: Tensor) -> None:
+def _check_norm(casting: str, norm_weight: Tensor | None, eps: float, offset: float, x: Tensor) -> tuple[float, float]:
+    """Checks the norm's arguments; returns (eps, offset) as floats."""
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
     _check_vector("norm_weight", norm_weight, x.shape[-1], x, same_dtype=False)
+    return check_norm_options(eps, offset)
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -913,7 +915,8 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
                          "(x's leading shape, weight's N)")
     _check_vector("bias", bias, weight.shape[0], x)
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and not _needs_grad(x, weight, residual, bias):
+    if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and weight.shape[0]
+            and not _needs_grad(x, weight, residual, bias)):
         return LINEAR_RESIDUAL(x, weight, residual, bias)
     return linear_residual_reference(x, weight, residual, bias)
 
@@ -939,7 +942,7 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     check_tensor("x", x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _check_norm(casting, norm_weight, x)
+    eps, offset = _check_norm(casting, norm_weight, eps, offset, x)
     _check_weight("gate_weight", gate_weight, x)
     if up_weight is None:
         if gate_weight.shape[0] % 2:
@@ -948,7 +951,7 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     else:
         _check_weight("up_weight", up_weight, x, gate_weight.shape[0])
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not runs_triton(x) or x.shape[-1] == 0:
+    if not runs_triton(x) or x.shape[-1] == 0 or gate_weight.shape[0] == 0:
         return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
         if norm_weight is not None and not _norm_in_prologue(x, n_rows, GATED_PROLOGUE_NORM_MAX_ROWS):
@@ -960,11 +963,14 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     return _GATED_GLU[activation](F.linear(h, gate_weight), F.linear(h, up_weight))
 
 
-def _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
-                    num_heads, num_kv_heads, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, casting) -> None:
+def _check_qkv_args(x, norm_weight, eps, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
+                    num_heads, num_kv_heads, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, qk_norm_eps, casting,
+                    offset) -> tuple[float, float, float]:
+    """Checks every argument; returns (eps, offset, the head norms' eps) as floats."""
     check_tensor("x", x, rank=3)
     batch, seq_len, _ = x.shape
-    _check_norm(casting, norm_weight, x)
+    eps, offset = _check_norm(casting, norm_weight, eps, offset, x)
+    head_eps = eps if qk_norm_eps is None else check_norm_options(qk_norm_eps, offset, "qk_norm_eps")[0]
     for name, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
             raise ValueError(f"{name} must be a positive int, got {heads!r}")
@@ -1017,6 +1023,7 @@ def _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_ca
     if tuple(cache_positions.shape) not in ((batch, seq_len), (seq_len,)):
         raise ValueError(f"cache_positions has shape {tuple(cache_positions.shape)}, expected [B={batch}, "
                          f"T={seq_len}] or [T={seq_len}]")
+    return eps, offset, head_eps
 
 
 def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor, k_weight: Tensor | None,
@@ -1054,9 +1061,9 @@ def qkv_rope(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: Tensor
         one weight-streaming kernel; more: fuselm.rms_norm, one cuBLAS GEMM per weight and one epilogue kernel.
         No autograd: with grad mode on and an input requiring grad, the PyTorch reference runs.
     """
-    _check_qkv_args(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, k_cache, v_cache, cache_positions,
-                    num_heads, num_kv_heads, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, casting)
-    head_eps = eps if qk_norm_eps is None else qk_norm_eps
+    eps, offset, head_eps = _check_qkv_args(x, norm_weight, eps, q_weight, k_weight, v_weight, cos, sin, k_cache,
+                                            v_cache, cache_positions, num_heads, num_kv_heads, q_bias, k_bias, v_bias,
+                                            q_norm_weight, k_norm_weight, qk_norm_eps, casting, offset)
     biases = (q_bias, k_bias, v_bias)
     if (not runs_triton(x) or x.shape[-1] == 0
             or _needs_grad(x, norm_weight, q_weight, k_weight, v_weight, *biases, q_norm_weight, k_norm_weight)):

@@ -437,14 +437,20 @@ ADD_RMS_NORM = FusedOp("add_rms_norm", _add_rms_norm_impl, fake=_add_rms_norm_fa
 
 
 # ----------------------------------------------------------------------------------- public API
+def check_norm_options(eps: float, offset: float, eps_name: str = "eps") -> tuple[float, float]:
+    """(eps, offset) as floats: eps a non-negative finite number, offset a finite one; else an error naming it."""
+    eps, offset = check_real(eps_name, eps), check_real("offset", offset)
+    if not 0.0 <= eps < float("inf"):
+        raise ValueError(f"{eps_name} must be a non-negative finite number, got {eps}")
+    if not -float("inf") < offset < float("inf"):
+        raise ValueError(f"offset must be a finite number, got {offset}")
+    return eps, offset
+
+
 def _check_norm_args(x: Tensor, weight: Tensor, eps: float, offset: float, casting: str,
                      **others: Tensor) -> tuple[float, float]:
     """Checks every argument; returns (eps, offset) as floats."""
-    eps, offset = check_real("eps", eps), check_real("offset", offset)
-    if not 0.0 <= eps < float("inf"):
-        raise ValueError(f"eps must be a non-negative finite number, got {eps}")
-    if not -float("inf") < offset < float("inf"):
-        raise ValueError(f"offset must be a finite number, got {offset}")
+    eps, offset = check_norm_options(eps, offset)
     check_tensor("x", x)
     check_tensor("weight", weight, rank=1)
     if casting not in CASTINGS:

@@ -41,7 +41,9 @@ def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotated = (x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    out = torch.empty_like(x)  # x's memory order (dense x), as the kernel's output
+    out[..., :rotary_dim], out[..., rotary_dim:] = rotated, x[..., rotary_dim:]
+    return out
 
 
 def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str = "bhsd") -> tuple[Tensor, Tensor]:

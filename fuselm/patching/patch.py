@@ -123,6 +123,8 @@ def _decode_paths(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
 
 def unpatch(model: nn.Module) -> int:
     """Restore every module of ``model`` that :func:`patch` changed; returns how many were restored."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     restored = 0
     for module in model.modules():
         original = type(module).__dict__.get(ORIGINAL)

@@ -501,6 +501,10 @@ def test_default_chunk_tokens():
         (lambda x, y, h, w: fuselm.linear_cross_entropy(h, w, y.view(1, -1)), ValueError, "labels has shape"),
         (lambda x, y, h, w: fuselm.linear_cross_entropy(h, w, y, chunk_tokens=0), ValueError, "chunk_tokens must"),
         (lambda x, y, h, w: fuselm.linear_cross_entropy(h.int(), w, y), TypeError, "hidden must be a floating"),
+        # a tokenizer's pad_token_id is None for Llama's
+        (lambda x, y, h, w: fuselm.cross_entropy(x, y, ignore_index=None), TypeError, "ignore_index must be an int"),
+        (lambda x, y, h, w: fuselm.linear_cross_entropy(h, w, y, ignore_index=None), TypeError, "ignore_index must"),
+        (lambda x, y, h, w: fuselm.cross_entropy(x, y, ignore_index=5.0), TypeError, "ignore_index must be an int"),
     ],
 )
 def test_bad_input_names_the_argument(call, error, match):

@@ -364,6 +364,11 @@ def test_qkv_rope_split_k_sums_every_chunk_once(kernel, config):
     ({"sin": torch.zeros(1, 4, 16)}, ValueError, "sin"),
     ({"casting": "phi"}, ValueError, "casting"),
     ({"x": torch.zeros(6, 40)}, ValueError, "x"),
+    ({"eps": -1.0}, ValueError, "eps"),
+    ({"eps": None}, TypeError, "eps"),
+    ({"offset": float("inf")}, ValueError, "offset"),
+    ({"q_norm_weight": torch.ones(16), "k_norm_weight": torch.ones(16), "qk_norm_eps": -1e-6}, ValueError,
+     "qk_norm_eps"),
 ])
 def test_qkv_rope_bad_input(changes, error, match):
     with pytest.raises(error, match=match):
@@ -386,6 +391,12 @@ def test_projection_bad_input():
         fuselm.norm_gated_linear(x, randn(39), 1e-6, w, w)
     with pytest.raises(ValueError, match="activation"):
         fuselm.norm_gated_linear(x, None, 1e-6, w, w, activation="relu")
+    with pytest.raises(ValueError, match="eps"):
+        fuselm.norm_gated_linear(x, randn(40), -1.0, w, w)
+    with pytest.raises(TypeError, match="eps"):
+        fuselm.norm_gated_linear(x, randn(40), "1e-6", w, w)
+    with pytest.raises(ValueError, match="offset"):
+        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, offset=float("nan"))
 
 
 def test_qkv_epilogue_refuses_q_rows_of_neither_kind():
@@ -397,6 +408,14 @@ def test_qkv_epilogue_refuses_q_rows_of_neither_kind():
     with pytest.raises(ValueError, match="q has 4 rows"):
         decode_linear.QKV_EPILOGUE(q, k, v, None, None, 1e-6, cos, sin, *caches,
                                    torch.arange(seq_len, device=DEVICE), 1, seq_len, "llama", 0.0)
+
+
+def test_zero_width_projections(path):
+    """K = 0: the residual (x @ W.T is zeros); N = 0 or I = 0: an empty [..., 0], as F.linear gives."""
+    residual = randn(3, 4)
+    assert torch.equal(fuselm.linear_residual(randn(3, 0), randn(4, 0), residual), residual)
+    assert fuselm.linear_residual(randn(2, 3, 8), randn(0, 8), randn(2, 3, 0)).shape == (2, 3, 0)
+    assert fuselm.norm_gated_linear(randn(3, 8), randn(8), 1e-6, randn(0, 8), randn(0, 8)).shape == (3, 0)
 
 
 def test_empty_rows(path):

@@ -167,6 +167,17 @@ def test_out_of_place_does_not_mutate_inputs(path, device):
         assert torch.equal(t.detach(), b)
 
 
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+def test_outputs_keep_a_dense_inputs_memory_order(path, device, rotary_dim):
+    """q and k in HF's [B, S, H, D] memory, viewed as [B, H, S, D]; full and partial rotary."""
+    q = randn(2, 3, 4, 8, device=device).transpose(1, 2)
+    k = randn(2, 3, 2, 8, device=device).transpose(1, 2)
+    cos, sin = _cos_sin(1, 3, rotary_dim, dtype=torch.float32, device=device)
+    q_out, k_out = fuselm.rope(q, k, cos, sin)
+    assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
+    assert_close(q_out, rope_reference(q.double(), k.double(), cos.double(), sin.double())[0], torch.float32)
+
+
 def test_cos_sin_requiring_grad_take_the_reference_path(path, device):
     """With cos or sin requiring grad the reference runs on either path (its gradients are checked
     below); the same call with them detached runs the Triton op on the Triton path only, which shows

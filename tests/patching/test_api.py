@@ -139,6 +139,12 @@ def test_unpatch_restores_the_original_modules_and_outputs_bit_for_bit(path):
     assert fuselm.unpatch(model) == 0
 
 
+@pytest.mark.parametrize("call", [fuselm.patch, fuselm.unpatch])
+def test_a_model_that_is_not_a_module_names_the_argument(call):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+        call(None)
+
+
 def test_patched_context_manager_unpatches_on_exit():
     model = tiny_model("llama")
     before = classes(model)
