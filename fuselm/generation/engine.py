@@ -235,10 +235,6 @@ class DecodeEngine:
         batch, prompt_len = input_ids.shape
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        if options.max_new_tokens == 0:
-            if streamer is not None:
-                streamer.end()
-            return self._output(input_ids, input_ids.new_zeros(batch, 0), [], [], options)
         bucket = self._bucket(batch, prompt_len + options.max_new_tokens)
         state, cache = bucket.state, bucket.cache
         ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])

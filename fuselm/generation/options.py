@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 from transformers import GenerationConfig
 
 # Fields the loop reads. HF fills the unset ones with GenerationConfig._get_default_generation_params().
@@ -38,7 +38,7 @@ _CALL_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_toke
 class DecodeOptions:
     """One call's decoding, as the loop runs it. Token ids are Python ints; ``eos`` may be empty."""
 
-    max_new_tokens: int
+    max_new_tokens: int  # >= 1
     min_new_tokens: int
     do_sample: bool
     temperature: float
@@ -65,15 +65,95 @@ def _hf_defaults() -> dict:
     return {**(defaults() if defaults is not None else {}), **_DEFAULTS}
 
 
+def _integer(value: object, name: str) -> int:
+    """``value`` as an int: a Python or numpy integer, or an integer tensor of one element (``operator.index``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
 def _token_ids(value: object, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, Tensor):
-        value = value.flatten().tolist()
-    values = [value] if isinstance(value, int) else list(value)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if hasattr(value, "tolist"):  # a tensor, or a numpy integer or array
+        value = value.tolist()
+    ids = tuple(_integer(v, name) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if any(i < 0 for i in ids):
         raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}")
-    return tuple(values)
+    return ids
+
+
+def _call_config(base: GenerationConfig, generation_config: GenerationConfig | None,
+                 kwargs: dict) -> tuple[GenerationConfig, dict]:
+    """The call's config as HF's ``_prepare_generation_config`` makes it, and the kwargs that are no field of it:
+    ``generation_config`` (else the model's ``base``) with its unset fields taken from ``base``, then from HF's
+    defaults, then ``kwargs`` set on it. Shallow copies where HF deep-copies: nothing here changes a field's value in
+    place (HF's copies cost ~0.1 ms of the first token's host time on every call)."""
+    config = copy.copy(generation_config if generation_config is not None else base)
+    for source in (vars(base), _hf_defaults()) if generation_config is not None else (_hf_defaults(),):
+        for name, value in source.items():
+            if not name.startswith("_") and getattr(config, name, None) is None:
+                setattr(config, name, value)
+    model_inputs = config.update(**kwargs)
+    if config.cache_implementation == "hybrid":  # as HF reads it: Gemma 2/3 configs name it for the default cache
+        config.cache_implementation = None
+    return config, model_inputs
+
+
+def _max_new_tokens(model: torch.nn.Module, config: GenerationConfig, prompt_length: int,
+                    default_max_length: bool) -> int:
+    """New tokens at most, as HF's ``_prepare_generated_length`` counts them: ``max_new_tokens``; else up to
+    ``max_length`` in all, which, when neither the call nor a config set it, means 20 new tokens (HF's default)
+    within the model's ``max_position_embeddings``. Raises ValueError, as HF does, when that leaves none."""
+    if config.max_new_tokens is not None:
+        max_new = _integer(config.max_new_tokens, "max_new_tokens")
+        if max_new <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new}")
+        return max_new
+    max_length = _integer(config.max_length, "max_length")
+    if default_max_length:
+        max_length += prompt_length
+        positions = getattr(model.config, "max_position_embeddings", None)
+        max_length = max_length if positions is None else min(max_length, positions)
+    if max_length <= prompt_length:
+        raise ValueError(f"max_length is {max_length}, but input_ids has {prompt_length} tokens: max_length counts "
+                         "the prompt (set max_new_tokens instead)")
+    return max_length - prompt_length
+
+
+def _sampling_values(config: GenerationConfig) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a sampling call, 1.0, 0 and 1.0 where they filter nothing; checked as HF's
+    warpers check them, which ``generate`` makes only for a temperature other than 1, a top_k other than 0 and a
+    top_p below 1 (None: no warper)."""
+    temperature = 1.0 if config.temperature is None else config.temperature
+    if temperature != 1.0 and not (isinstance(temperature, float) and temperature > 0):
+        raise ValueError(f"temperature must be a float > 0 when sampling, got {temperature!r}")
+    top_k = config.top_k or 0
+    if top_k != 0 and not (isinstance(top_k, int) and top_k > 0):
+        raise ValueError(f"top_k must be an int > 0 (or 0: no top-k filter) when sampling, got {top_k!r}")
+    top_p = 1.0 if config.top_p is None else float(config.top_p)
+    if top_p < 0:
+        raise ValueError(f"top_p must be >= 0 when sampling, got {top_p}")
+    return float(temperature), top_k, min(top_p, 1.0)
+
+
+def _longrope_reason(model: torch.nn.Module, prompt_length: int, max_new: int) -> str | None:
+    """Why a longrope model's call must go to HF: its sequence would first pass ``original_max_position_embeddings``
+    during the decode steps, where HF's Phi-3 ``prepare_inputs_for_generation`` drops the cache and computes every
+    key again with the long factors (fuselm's cache keeps the short-factor ones). The last step feeds position
+    ``prompt_length + max_new - 2``; HF drops the cache when it feeds position ``original_max_position_embeddings``."""
+    config = model.config
+    limit = getattr(config, "original_max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if limit is None or rope.get("rope_type") != "longrope":
+        return None
+    if not prompt_length <= limit <= prompt_length + max_new - 2:
+        return None
+    return (f"the sequence passes original_max_position_embeddings ({limit}) while decoding, where HF computes the "
+            "cache again with longrope's long factors")
 
 
 def read_options(model: torch.nn.Module, prompt_length: int, generation_config: GenerationConfig | None,
@@ -81,17 +161,16 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
     """The call's :class:`DecodeOptions`, or a one-line reason fuselm's loop cannot run it.
 
     ``kwargs``: ``generate``'s keyword arguments other than input_ids, attention_mask, generation_config and
-    streamer (GenerationConfig fields, or model inputs). Raises ValueError for a bad max/min length.
+    streamer (GenerationConfig fields, or model inputs). Raises TypeError or ValueError for an argument that HF's
+    ``generate`` refuses (or that is no integer where one is needed).
     """
     for name in _CALL_ARGUMENTS:
         if kwargs.get(name) not in (None, False, [], ()):
             return f"{name} is not supported by fuselm's decode loop"
     kwargs = {k: v for k, v in kwargs.items() if k not in _CALL_ARGUMENTS}
-    base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    # a shallow copy: ``update`` only sets attributes on it (a deep copy of the model's config costs ~0.1 ms of the
-    # first token's host time on every call)
-    config = copy.copy(base) if base is not None else GenerationConfig()
-    model_inputs = config.update(**kwargs)
+    base = getattr(model, "generation_config", None)
+    base = base if base is not None else GenerationConfig()
+    config, model_inputs = _call_config(base, generation_config, kwargs)
     model_inputs.pop("use_cache", None)
     if model_inputs:
         return f"model inputs {sorted(model_inputs)} are not supported by fuselm's decode loop"
@@ -105,36 +184,29 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
         if name == "cache_implementation" and value in ("dynamic", "static"):
             return f"cache_implementation={value!r} asks for HF's own cache"
         return f"generation option {name}={value!r} is not supported by fuselm's decode loop"
-    if values.get("use_cache") is False:
+    if config.use_cache is False:
         return "use_cache=False"
 
-    read = {name: defaults[name] if values.get(name) is None else values[name] for name in _DEFAULTS}
-    max_new = values.get("max_new_tokens")
-    if max_new is None:
-        max_new = read["max_length"] - prompt_length
-    if isinstance(max_new, bool) or not isinstance(max_new, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new).__name__}")
-    if max_new < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new} (max_length {read['max_length']} is shorter "
-                         f"than the prompt's {prompt_length} tokens)" if values.get("max_new_tokens") is None
-                         else f"max_new_tokens must be >= 0, got {max_new}")
-    min_new = values.get("min_new_tokens")
-    min_new = max(min_new or 0, read["min_length"] - prompt_length)
-    eos = _token_ids(values.get("eos_token_id"), "eos_token_id")
-    pad = values.get("pad_token_id")
-    if isinstance(pad, Tensor):
-        pad = int(pad.flatten()[0])
-    if pad is None and eos:
-        pad = eos[0]  # as HF does, with its warning
-    temperature, top_k, top_p = float(read["temperature"]), int(read["top_k"] or 0), float(read["top_p"])
-    if read["do_sample"] and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    penalty = float(read["repetition_penalty"])
-    if not penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
-    return DecodeOptions(max_new_tokens=max_new, min_new_tokens=min_new, do_sample=bool(read["do_sample"]),
-                         temperature=temperature, top_k=max(top_k, 0), top_p=top_p, repetition_penalty=penalty,
-                         eos=eos, pad=pad, output_scores=bool(read["output_scores"]),
-                         output_logits=bool(read["output_logits"]), return_dict=bool(read["return_dict_in_generate"]))
+    # HF's "default max_length": set by neither the call, its generation_config nor the model's
+    default_max_length = (kwargs.get("max_length") is None and base.max_length is None
+                          and (generation_config is None or generation_config.max_length is None))
+    max_new = _max_new_tokens(model, config, prompt_length, default_max_length)
+    # min_new_tokens, when set, wins over min_length (as in HF's _prepare_generated_length)
+    min_new = (_integer(config.min_new_tokens, "min_new_tokens") if config.min_new_tokens is not None
+               else _integer(config.min_length or 0, "min_length") - prompt_length)
+    eos = _token_ids(config.eos_token_id, "eos_token_id")
+    pad = config.pad_token_id
+    pad = _integer(pad, "pad_token_id") if pad is not None else eos[0] if eos else None  # eos[0]: as HF does
+    do_sample = bool(config.do_sample)
+    temperature, top_k, top_p = _sampling_values(config) if do_sample else (1.0, 0, 1.0)  # HF ignores them greedy
+    penalty = 1.0 if config.repetition_penalty is None else config.repetition_penalty
+    if penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):  # HF's check
+        raise ValueError(f"repetition_penalty must be a float > 0, got {penalty!r}")
+    reason = _longrope_reason(model, prompt_length, max_new)
+    if reason is not None:
+        return reason
+    return DecodeOptions(max_new_tokens=max_new, min_new_tokens=max(min_new, 0), do_sample=do_sample,
+                         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=float(penalty),
+                         eos=eos, pad=pad, output_scores=bool(config.output_scores),
+                         output_logits=bool(config.output_logits),
+                         return_dict=bool(config.return_dict_in_generate))

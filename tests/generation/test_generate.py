@@ -2,8 +2,9 @@
 
 Greedy tokens and logits for every family with fused layers on both paths (left padding, rows of different
 lengths, more new tokens than the prompt, sliding-window prompts longer than the window, eos inside the batch);
-HF's logits processors and warpers on the loop's own logits; seeded sampling; the streamer; fallbacks to HF with
-their warning; bad input; no host sync inside a decode step; on a GPU, the CUDA-graph path.
+HF's logits processors and warpers on the loop's own logits; seeded sampling; the streamer; the call's arguments
+read as HF reads them (default lengths, a generation config, numpy and tensor integers); fallbacks to
+HF with their warning; bad input; no host sync inside a decode step; on a GPU, the CUDA-graph path.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import gc
 import warnings
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -213,6 +215,145 @@ def test_max_length_counts_the_prompt():
     ids, mask = left_padded()
     assert torch.equal(fused_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False),
                        hf_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False))
+
+
+def test_default_length_is_20_new_tokens_within_the_models_positions():
+    """Neither max_new_tokens nor max_length set anywhere: HF's 20 new tokens, but no further than the model's
+    max_position_embeddings (64); a max_length the model's generation config sets counts the prompt."""
+    model = decode_model("llama")
+    for prompt in (8, 50):
+        ids = token_ids(1, prompt)
+        expected = hf_generate(model, ids, None, do_sample=False)
+        assert expected.shape[1] == min(prompt + 20, 64)
+        assert torch.equal(fused_generate(model, ids, None, do_sample=False), expected)
+        with fuselm.patched(model):
+            assert torch.equal(hf_generate(model, ids, None, do_sample=False), expected)
+    model.generation_config.max_length = PROMPT + 3
+    ids = token_ids(1, PROMPT)
+    expected = hf_generate(model, ids, None, do_sample=False)
+    assert expected.shape[1] == PROMPT + 3
+    assert torch.equal(fused_generate(model, ids, None, do_sample=False), expected)
+
+
+def test_max_length_must_leave_a_new_token():
+    """max_length up to the prompt's length: HF raises ValueError, and so do fuselm.generate and the patched model's
+    generate, naming max_length."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    with pytest.raises(ValueError, match="max_length"):
+        hf_generate(model, ids, mask, max_length=PROMPT, do_sample=False)
+    with pytest.raises(ValueError, match="max_length"):
+        fused_generate(model, ids, mask, max_length=PROMPT, do_sample=False)
+    with fuselm.patched(model), pytest.raises(ValueError, match="max_length"):
+        hf_generate(model, ids, mask, max_length=PROMPT, do_sample=False)
+
+
+def test_a_generation_config_takes_the_models_unset_fields():
+    """generation_config=GenerationConfig(...): its unset fields come from the model's generation config (here eos
+    and pad), as in HF's generate."""
+    from transformers import GenerationConfig
+
+    model = decode_model("qwen2")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 0
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False)
+    expected = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert (expected[0, PROMPT:] == eos).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, generation_config=config), expected)
+    with fuselm.patched(model):
+        assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=config), expected)
+
+
+def test_min_new_tokens_wins_over_min_length():
+    """Both set: HF keeps eos away for min_new_tokens steps (min_length is then the prompt plus min_new_tokens)."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)  # row 0's 4th token
+    asked = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos, min_new_tokens=2, min_length=PROMPT + 8)
+    expected = hf_generate(model, ids, mask, **asked)
+    assert (expected[0, PROMPT:PROMPT + 4] == eos).any()
+    assert torch.equal(fused_generate(model, ids, mask, **asked), expected)
+
+
+def test_integer_arguments_of_any_integer_type():
+    """numpy integers and one-element integer tensors for lengths and token ids, as HF takes them; sampling options
+    of a greedy call are not read (HF ignores them); a length that is no integer is a TypeError naming it."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    expected = hf_generate(model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=eos)
+    for asked in (dict(max_new_tokens=np.int64(5)), dict(max_new_tokens=torch.tensor(5)),
+                  dict(max_length=np.int64(PROMPT + 5)), dict(max_new_tokens=5, eos_token_id=np.int64(eos)),
+                  dict(max_new_tokens=5, eos_token_id=torch.tensor([eos])), dict(max_new_tokens=5, top_p=0.0),
+                  dict(max_new_tokens=5, top_p=1.5, top_k=-1, temperature=0.0)):
+        asked = {"do_sample": False, "eos_token_id": eos, **asked}
+        assert torch.equal(fused_generate(model, ids, mask, **asked), expected), asked
+    for name in ("max_new_tokens", "max_length", "min_new_tokens"):
+        with pytest.raises(TypeError, match=name):
+            fuselm.generate(model, ids, attention_mask=mask, **{name: float(PROMPT + 2)})
+
+
+def test_sampling_options_are_checked_as_hf_checks_them():
+    """When sampling: top_p above 1 filters nothing, top_p 0 keeps the best token; a temperature or top_k HF's
+    warpers refuse is a ValueError naming it, from HF and fuselm alike."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    for top_p, kept in ((1.5, 1.0), (0.0, 0.0)):
+        assert read_options(model, PROMPT, None, dict(do_sample=True, top_p=top_p, max_new_tokens=2)).top_p == kept
+    greedy = hf_generate(model, ids, mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(fused_generate(model, ids, mask, max_new_tokens=4, do_sample=True, top_p=0.0, top_k=0),
+                       greedy)
+    for name, value in (("temperature", 0.0), ("top_k", -1), ("top_p", -0.5)):
+        asked = {"max_new_tokens": 2, "do_sample": True, name: value}
+        with pytest.raises(ValueError, match=name):
+            hf_generate(model, ids, mask, **asked)
+        with pytest.raises(ValueError, match=name):
+            fuselm.generate(model, ids, attention_mask=mask, **asked)
+
+
+def test_hybrid_cache_implementation_is_hfs_default_cache():
+    """Gemma 2/3 generation configs name cache_implementation="hybrid", which HF 5 reads as unset: the loop runs."""
+    for name in ("gemma2", "gemma3"):
+        model = decode_model(name)
+        model.generation_config.cache_implementation = "hybrid"
+        ids, mask = left_padded()
+        expected = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+        assert torch.equal(fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False), expected)
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}
+
+
+def test_longrope_passing_its_original_length_goes_to_hf():
+    """Phi-3 with longrope: HF computes the cache again with the long factors at the step that first feeds position
+    original_max_position_embeddings (16); a call that would get there goes to HF (fuselm.generate with a warning,
+    the patched model's generate silently), one that stops short of it or starts past it runs the loop."""
+    model = tiny_model("phi3", hidden_size=256, original_max_position_embeddings=16, rope_parameters=dict(LONGROPE))
+    model.generation_config.eos_token_id = None
+    asked = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
+    for prompt, new in ((10, 7), (16, 1), (17, 4)):  # last fed positions 15, none, 19
+        ids = token_ids(1, prompt)
+        expected = hf_generate(model, ids, None, max_new_tokens=new, **asked)
+        out = fused_generate(model, ids, None, max_new_tokens=new, **asked)
+        assert torch.equal(out.sequences, expected.sequences)
+        for got, want in zip(out.logits, expected.logits, strict=True):
+            assert rel_err(got, want) <= 1e-5
+    for prompt, new in ((10, 8), (16, 2)):
+        ids = token_ids(1, prompt)
+        expected = hf_generate(model, ids, None, max_new_tokens=new, **asked)
+        with pytest.warns(UserWarning, match="original_max_position_embeddings"):
+            out = fuselm.generate(model, ids, pad_token_id=0, max_new_tokens=new, **asked)
+        assert torch.equal(out.sequences, expected.sequences)
+    ids = token_ids(1, 10)
+    expected = hf_generate(model, ids, None, max_new_tokens=12, do_sample=False)
+    fuselm.patch(model)
+    with mock.patch.object(engine_module.DecodeEngine, "run") as run:
+        assert torch.equal(hf_generate(model, ids, None, max_new_tokens=12, do_sample=False), expected)
+    assert run.call_count == 0
 
 
 def test_a_call_leaves_the_models_generation_config_as_it_was():
