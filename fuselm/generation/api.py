@@ -49,6 +49,8 @@ def _check_inputs(input_ids: object, attention_mask: object) -> None:
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        if attention_mask.is_complex():
+            raise TypeError(f"attention_mask must be a bool, integer or floating tensor, got {attention_mask.dtype}")
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{tuple(attention_mask.shape)}")
@@ -70,8 +72,9 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
         return None, reason
     if attention_mask is not None:
         attention_mask = attention_mask.to(input_ids.device)
-        left_only, unpadded = torch.stack(((attention_mask.long().diff(dim=-1) >= 0).all(),
-                                           attention_mask.bool().all())).tolist()  # one read for both
+        attends = attention_mask != 0  # as HF reads any mask (a float one too)
+        left_only, unpadded = torch.stack(((attends.int().diff(dim=-1) >= 0).all(),
+                                           attends.all())).tolist()  # one read for both
         if not left_only:
             return None, "attention_mask has padding after a real token (only left padding is supported)"
         if unpadded:
@@ -94,7 +97,7 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None 
         model: a transformers causal LM (or a PEFT model around one), patched by ``fuselm.patch`` or not (then it
             is patched for the call and unpatched after).
         input_ids: [B, S] integer token ids, left-padded when rows differ in length.
-        attention_mask: [B, S], 1 at real tokens, 0 at the left padding; None: no padding.
+        attention_mask: [B, S], 1 (or True, or 1.0) at real tokens, 0 at the left padding; None: no padding.
         generation_kwargs: HF's ``generate`` arguments: GenerationConfig fields (``max_new_tokens``,
             ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``,
             ``pad_token_id``, ``min_new_tokens``, ``output_scores``, ``output_logits``,

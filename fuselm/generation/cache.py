@@ -331,8 +331,8 @@ class FusedKVCache(StaticCache):
 
     # ------------------------------------------------------------------ plan / run
     def plan(self, attention_mask: Tensor | None = None) -> None:
-        """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], 1 or
-        True at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work only."""
+        """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], non-zero
+        (1, True or 1.0) at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work only."""
         if attention_mask is None:
             self._host.clear()
             self._row_lengths.zero_()
@@ -340,8 +340,9 @@ class FusedKVCache(StaticCache):
             return
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
-        if attention_mask.is_floating_point() or attention_mask.is_complex():
-            raise TypeError(f"attention_mask must be a bool or integer tensor, got dtype {attention_mask.dtype}")
+        if attention_mask.is_complex():
+            raise TypeError(f"attention_mask must be a bool, integer or floating tensor, got dtype "
+                            f"{attention_mask.dtype}")
         if attention_mask.dim() != 2 or attention_mask.shape[0] != self.batch_size:
             raise ValueError(f"attention_mask must have shape [{self.batch_size}, S] (the cache's batch), got "
                              f"{tuple(attention_mask.shape)}")

@@ -24,8 +24,8 @@ class ChoiceState:
     Buffers: ``tokens`` [B, 1] int64, the last chosen token (the next step's input); ``positions`` [B, 1] int64,
     its position id; ``generated`` [B, capacity] int64, the tokens chosen so far; ``done`` [B] bool, rows that
     stopped; ``finish`` [B] int64, the step at which each row emitted eos (-1: not yet, or a filler row);
-    ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row (repetition penalty);
-    ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
+    ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row past its left padding
+    (repetition penalty); ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
     """
 
     def __init__(self, batch: int, vocab: int, capacity: int, device: torch.device):
@@ -48,8 +48,9 @@ class ChoiceState:
         self.limits = torch.zeros(2, **long)
         self._loaded: tuple | None = None  # the option values in values, limits and eos (skip copying them again)
 
-    def start(self, options: DecodeOptions, prompt: Tensor, real_rows: int) -> None:
-        """Load a call: ``prompt`` [B, S] (the bucket's rows, fillers after the ``real_rows``). Device work only."""
+    def start(self, options: DecodeOptions, prompt: Tensor, mask: Tensor | None, real_rows: int) -> None:
+        """Load a call: ``prompt`` [B, S] (the bucket's rows, fillers after the ``real_rows``) and its attention
+        ``mask`` [B, S] (None: no padding). Device work only."""
         values, limits = (options.temperature, options.top_p, options.repetition_penalty), (options.min_new_tokens,
                                                                                              options.pad or 0)
         self.eos = self.eos_buffer(len(options.eos))
@@ -63,6 +64,10 @@ class ChoiceState:
         self.done.zero_()
         self.done[real_rows:].fill_(True)  # filler rows only pad the batch to its bucket
         if options.repetition_penalty != 1.0:
+            if mask is not None:  # HF's penalty skips each row's left padding (up to its first non-zero mask value)
+                padding = (mask != 0).int().argmax(dim=1, keepdim=True)
+                ignored = torch.arange(prompt.shape[1], device=prompt.device) < padding
+                prompt = torch.where(ignored, prompt[:, -1:], prompt)  # the row's last token, seen anyway
             self.seen.zero_()
             self.seen.scatter_(1, prompt, True)
 

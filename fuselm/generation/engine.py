@@ -15,7 +15,8 @@ Plan/run, per call:
    decode step, final norm, lm_head) plus the token choice (:mod:`fuselm.generation.choice`), with no host
    sync. On CUDA the step is captured once per (bucket, options mode) after a warm-up that finishes every
    autotune, and replayed. Whether every row is done is read every ``EOS_CHECK_EVERY`` steps, one check late,
-   so the host never waits on the device; the few extra steps only emit padding and are cut off.
+   so the host never waits on the device; the few extra steps only emit padding and are cut off. With a streamer,
+   which reads every step's tokens back anyway, it is read before each step: the streamer gets HF's steps alone.
 
 Graphs and caches belong to the engine of one model (held weakly: they are freed with it). A step is captured
 again when the model's parameters, classes or fuselm's backend changed since it was captured.
@@ -238,7 +239,7 @@ class DecodeEngine:
         bucket = self._bucket(batch, prompt_len + options.max_new_tokens)
         state, cache = bucket.state, bucket.cache
         ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])
-        state.start(options, ids, batch)
+        state.start(options, ids, mask, batch)
         cache.plan(mask)
         if mask is None:
             positions = bucket.positions[:prompt_len].expand(ids.shape[0], -1)
@@ -252,10 +253,13 @@ class DecodeEngine:
         step = self._step_function(bucket, options) if options.max_new_tokens > 1 else None
         steps, pending = 1, None
         while steps < options.max_new_tokens:
+            # a streamer reads each step's tokens back anyway, and must get the kept steps alone: done is read now
+            if streamer is not None and options.eos and state.done[:batch].all():
+                break
             step()
             steps += 1
             self._collect(state, batch, options, scores, raw, streamer)
-            if options.eos and steps % EOS_CHECK_EVERY == 0:
+            if options.eos and streamer is None and steps % EOS_CHECK_EVERY == 0:
                 if pending is not None and _read(pending):
                     break
                 pending = _all_done_later(state.done[:batch])
@@ -450,7 +454,7 @@ class DecodeEngine:
 
     @staticmethod
     def _output(input_ids: Tensor, new: Tensor, scores: list, raw: list, options: DecodeOptions):
-        sequences = torch.cat((input_ids, new.to(input_ids.device, input_ids.dtype)), dim=1)
+        sequences = torch.cat((input_ids, new.to(input_ids.device)), dim=1)  # int64, as HF's, whatever the prompt's
         if not options.return_dict:
             return sequences
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores) if options.output_scores else None,

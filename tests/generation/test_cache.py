@@ -173,7 +173,7 @@ def test_reset_and_plan_reuse_the_storage_across_calls():
     assert pointers() == storage
 
 
-@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.int32])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.int32, torch.float32])
 def test_plan_sets_starts_from_left_padding_and_empties_the_cache(mask_dtype):
     model = family_model("llama")
     cache = FusedKVCache(model, 4, 10)
@@ -301,7 +301,7 @@ def test_bad_construction_arguments_are_named():
 
 def test_bad_plan_and_update_arguments_are_named():
     cache = FusedKVCache(family_model("llama"), 2, 8)
-    for bad, error in [(torch.ones(3, 4), TypeError), (torch.ones(3, 4, dtype=torch.long), ValueError),
+    for bad, error in [(torch.ones(2, 4, dtype=torch.complex64), TypeError), (torch.ones(3, 4), ValueError),
                        (torch.ones(2, 4, 1, dtype=torch.long), ValueError),
                        (torch.ones(2, 9, dtype=torch.long), ValueError), ([[1, 1], [1, 1]], TypeError)]:
         with pytest.raises(error, match="attention_mask"):

@@ -3,7 +3,7 @@
 Greedy tokens and logits for every family with fused layers on both paths (left padding, rows of different
 lengths, more new tokens than the prompt, sliding-window prompts longer than the window, eos inside the batch);
 HF's logits processors and warpers on the loop's own logits; seeded sampling; the streamer; the call's arguments
-read as HF reads them (default lengths, a generation config, numpy and tensor integers); fallbacks to
+read as HF reads them (default lengths, a generation config, numpy and tensor integers, float masks); fallbacks to
 HF with their warning; bad input; no host sync inside a decode step; on a GPU, the CUDA-graph path.
 """
 
@@ -156,7 +156,8 @@ def test_static_cache_generate_still_works_on_a_patched_model():
 
 def test_processors_match_hf_on_the_loops_logits():
     """Repetition penalty, min_new_tokens, temperature, top-k and top-p: the loop's scores are HF's processors and
-    warpers applied to the loop's raw logits and its tokens so far; greedy with the penalty gives HF's tokens."""
+    warpers (as HF's generate makes them: the penalty skips the left padding) applied to the loop's raw logits and
+    its tokens so far; greedy with the penalty gives HF's tokens."""
     model = decode_model("qwen2")
     ids, mask = left_padded()
     eos = eos_inside(model, ids, mask)
@@ -165,8 +166,9 @@ def test_processors_match_hf_on_the_loops_logits():
     sampled = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=9, top_p=0.8, repetition_penalty=1.3,
                    return_dict_in_generate=True, output_scores=True, output_logits=True)
     out = fused_generate(model, ids, mask, **sampled)
-    processors = [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(9),
-                  TopPLogitsWarper(0.8)]
+    padding = (mask != 0).int().argmax(dim=1)  # HF's penalty skips each row's left padding
+    processors = [RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=padding), TemperatureLogitsWarper(0.7),
+                  TopKLogitsWarper(9), TopPLogitsWarper(0.8)]
     for step, (raw, scores) in enumerate(zip(out.logits, out.scores)):
         expected = raw
         for processor in processors:
@@ -190,17 +192,20 @@ def test_sampling_is_seeded():
     assert torch.equal(top1, hf_generate(model, ids, mask, max_new_tokens=10, do_sample=False))
 
 
+class Collect:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.values, self.ended = [], False
+
+    def put(self, value):
+        self.values.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
 def test_streamer_gets_the_prompt_then_each_token():
-    class Collect:
-        def __init__(self):
-            self.values, self.ended = [], False
-
-        def put(self, value):
-            self.values.append(value.clone())
-
-        def end(self):
-            self.ended = True
-
     model = decode_model("mistral")
     ids = token_ids(1, 7, seed=5)
     streamer = Collect()
@@ -215,6 +220,21 @@ def test_max_length_counts_the_prompt():
     ids, mask = left_padded()
     assert torch.equal(fused_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False),
                        hf_generate(model, ids, mask, max_length=PROMPT + 3, do_sample=False))
+
+
+def test_streamer_gets_only_the_steps_hf_keeps():
+    """Every row done (here at the 4th of up to 20 tokens): the streamer gets HF's tokens, nothing after, then end."""
+    model = decode_model("mistral")
+    ids = token_ids(1, 7, seed=5)
+    eos = int(hf_generate(model, ids, None, max_new_tokens=4, do_sample=False)[0, -1])
+    streamers = Collect(), Collect()
+    out = fused_generate(model, ids, None, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                         streamer=streamers[0])
+    expected = hf_generate(model, ids, None, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                           streamer=streamers[1])
+    assert torch.equal(out, expected) and out.shape[1] < 7 + 20
+    got, want = ([value.tolist() for value in streamer.values] for streamer in streamers)
+    assert got == want and streamers[0].ended
 
 
 def test_default_length_is_20_new_tokens_within_the_models_positions():
@@ -276,6 +296,43 @@ def test_min_new_tokens_wins_over_min_length():
     expected = hf_generate(model, ids, mask, **asked)
     assert (expected[0, PROMPT:PROMPT + 4] == eos).any()
     assert torch.equal(fused_generate(model, ids, mask, **asked), expected)
+
+
+def test_repetition_penalty_skips_the_left_padding():
+    """The padding's token id (here the token row 2 takes first) is not penalised, as in HF's generate."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    asked = dict(max_new_tokens=4, do_sample=False, repetition_penalty=2.0, return_dict_in_generate=True,
+                 output_scores=True)
+    first = int(hf_generate(model, ids, mask, **asked).sequences[2, PROMPT])
+    assert first not in ids[2].tolist()
+    ids = ids.masked_fill(mask == 0, first)
+    expected = model.generate(ids, attention_mask=mask, pad_token_id=first, **asked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fuselm.generate(model, ids, attention_mask=mask, pad_token_id=first, **asked)
+    assert torch.equal(out.sequences, expected.sequences) and out.sequences[2, PROMPT] == first
+    for got, want in zip(out.scores, expected.scores, strict=True):
+        assert rel_err(got, want) <= 1e-5
+
+
+def test_a_float_attention_mask_is_read_as_hf_reads_it():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(hf_generate(model, ids, mask.float(), max_new_tokens=NEW, do_sample=False), expected)
+    assert torch.equal(fused_generate(model, ids, mask.float(), max_new_tokens=NEW, do_sample=False), expected)
+    with fuselm.patched(model):
+        assert torch.equal(hf_generate(model, ids, mask.float(), max_new_tokens=NEW, do_sample=False), expected)
+
+
+def test_an_int32_prompt_gives_int64_sequences():
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    ids = ids.int()
+    expected = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
+    out = fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
+    assert out.dtype == expected.dtype == torch.int64 and torch.equal(out, expected)
 
 
 def test_integer_arguments_of_any_integer_type():
@@ -401,6 +458,8 @@ def test_bad_input_names_the_argument():
         fuselm.generate(model, ids, attention_mask=mask[:, 1:])
     with pytest.raises(ValueError, match="max_new_tokens"):
         fuselm.generate(model, ids, attention_mask=mask, max_new_tokens=-1)
+    with pytest.raises(TypeError, match="attention_mask"):
+        fuselm.generate(model, ids, attention_mask=mask.to(torch.complex64))
 
 
 def _decoded_bucket(name: str, dtype: torch.dtype = torch.float32, **generation_kwargs):
@@ -733,13 +792,13 @@ def test_a_call_loads_only_option_values_that_changed():
 
     for options in (base, other, base):
         with mock.patch.object(torch, "tensor", wraps=torch.tensor) as made:
-            state.start(options, prompt, 2)
+            state.start(options, prompt, None, 2)
         assert made.call_count == 3
         assert state.values.tolist() == pytest.approx([options.temperature, options.top_p,
                                                        options.repetition_penalty])
         assert state.limits.tolist() == [options.min_new_tokens, options.pad] and state.eos.tolist() == [*options.eos]
         with mock.patch.object(torch, "tensor", wraps=torch.tensor) as made:
-            state.start(options, prompt, 2)
+            state.start(options, prompt, None, 2)
         assert made.call_count == 0
 
 
