@@ -303,7 +303,10 @@ class DecodeEngine:
         attends with SDPA's ``is_causal``: ``fuselm/patching/decode.py``); None keeps the config's. HF skips a
         plain causal mask only when it may read the mask and offsets on the host, so it makes a full [T, T] mask
         inside a CUDA-graph capture (the prefill then took 4x longer at 8192 tokens), and with ``eager`` attention
-        it makes a decode step's mask with host-to-device copies, which a graph cannot capture."""
+        it makes a decode step's mask with host-to-device copies, which a graph cannot capture.
+
+        No hidden states or attentions are captured, whatever the config says: transformers' capturing hooks stay
+        inert (``fuselm.patching.modules.hooked``), so the fused layers run."""
         config = self.model.config
         named = config._attn_implementation
         config._attn_implementation = implementation or named
@@ -312,6 +315,7 @@ class DecodeEngine:
             with torch.no_grad():
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                  logits_to_keep=1 if last_position is None else last_position,
+                                 output_attentions=False, output_hidden_states=False,
                                  **{self._cache_keyword: cache})
         finally:
             config._attn_implementation = named

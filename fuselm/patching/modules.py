@@ -17,6 +17,7 @@ stays fused there.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +42,31 @@ def _promoted(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def hooked(module: nn.Module) -> bool:
-    """Whether a hook watches ``module`` or its forward is replaced on the instance: it must then run as called."""
+    """Whether a hook watches ``module`` or its forward is replaced on the instance: it must then run as called.
+    transformers' output-capturing hooks count only while a forward captures outputs (:func:`_inert`)."""
     return hooked_state(module.__dict__)
 
 
 def hooked_state(state: dict) -> bool:
     """:func:`hooked` of the module whose ``__dict__`` is ``state`` (a walk over many modules reads it once)."""
-    return bool(state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
-                or state["_backward_pre_hooks"] or "forward" in state)
+    hooks = state["_forward_hooks"]
+    return bool((hooks and not all(map(_inert, hooks.values()))) or state["_forward_pre_hooks"]
+                or state["_backward_hooks"] or state["_backward_pre_hooks"] or "forward" in state)
+
+
+# transformers' output-capturing forward hook, by its function's qualified name ("capuring" sic): one forward that
+# asks for hidden states or attentions leaves it on every decoder layer and attention module for good
+_CAPTURING_HOOK = "install_output_capuring_hook.<locals>.output_capturing_hook"
+
+
+def _inert(hook) -> bool:
+    """Whether ``hook`` is transformers' output-capturing hook while no forward captures outputs: the collector it
+    reads (``_active_collector``, in the hook's own module) is then unset or empty, and the hook returns at once."""
+    module = getattr(hook, "__module__", None) or ""
+    if getattr(hook, "__qualname__", None) != _CAPTURING_HOOK or not module.startswith("transformers."):
+        return False
+    collector = getattr(sys.modules.get(module), "_active_collector", None)
+    return collector is not None and not collector.get()
 
 
 # ----------------------------------------------------------------------------------- RMSNorm

@@ -413,6 +413,30 @@ def test_longrope_passing_its_original_length_goes_to_hf():
     assert run.call_count == 0
 
 
+def test_transformers_output_capturing_hooks_leave_the_loop_on():
+    """A forward asking for hidden states or attentions leaves transformers' (inert) output-capturing hooks on
+    every layer and attention module: the loop still runs, patched model.generate too, as it does with output flags
+    in the model's config; a user's hook on an attention module still sends the call to HF."""
+    model = decode_model("llama")
+    model.config._attn_implementation = "eager"  # HF captures attentions with eager attention only
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    assert model.model.layers[0]._forward_hooks and model.model.layers[0].self_attn._forward_hooks
+    assert torch.equal(fused_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False), expected)
+    fuselm.patch(model)
+    with mock.patch.object(engine_module.DecodeEngine, "run", autospec=True,
+                           side_effect=engine_module.DecodeEngine.run) as run:
+        assert torch.equal(hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False), expected)
+        model.config.output_hidden_states = model.config.output_attentions = True
+        assert torch.equal(hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False), expected)
+    assert run.call_count == 2
+    model.model.layers[1].self_attn.register_forward_hook(lambda *args: None)
+    with pytest.warns(UserWarning, match="a hook watches the attention module of decoder layer 1"):
+        fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, max_new_tokens=NEW, do_sample=False)
+
+
 def test_a_call_leaves_the_models_generation_config_as_it_was():
     """The call's options go to a copy: the model's own config keeps its values (``read_options`` copies it)."""
     model = decode_model("llama")

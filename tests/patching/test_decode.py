@@ -269,6 +269,39 @@ def test_hooked_attention_module_runs_through_hf(path):
         assert rel_err(got, want) <= 1e-5
 
 
+def test_output_capturing_hooks_count_only_while_a_forward_captures():
+    """transformers' output-capturing hooks, which one forward asking for attentions leaves on every decoder layer
+    and attention module, keep no layer off the fused decode step while nothing captures; a forward that captures
+    attentions (asked for by the config: the layers never see the flag) runs HF's attention, hooks and all, and
+    returns the unpatched model's attentions."""
+    model = decode_model("llama")
+    model.config._attn_implementation = "eager"  # HF captures attentions with eager attention only
+    ids, mask = left_padded(9)
+
+    def attentions():
+        model.config.output_attentions = True
+        try:
+            with torch.no_grad():
+                return model(ids, attention_mask=mask, **{CACHE_ARG: new_cache(model, mask)}).attentions
+        finally:
+            model.config.output_attentions = False
+
+    expected_attentions = attentions()  # installs the hooks
+    assert model.model.layers[0].self_attn._forward_hooks
+    expected, expected_logits = generate(model, ids, mask, new_cache(model, mask))
+    with fuselm.patched(model), mock.patch.object(decode, "decode_step", wraps=decode.decode_step) as step:
+        tokens, logits = generate(model, ids, mask, new_cache(model, mask))
+        assert step.call_count == model.config.num_hidden_layers * NEW  # a 9-token prefill takes the step too
+        got_attentions = attentions()
+        assert step.call_count == model.config.num_hidden_layers * NEW
+    assert torch.equal(tokens, expected)
+    for got, want in zip(logits, expected_logits):
+        assert rel_err(got, want) <= 1e-5
+    assert len(got_attentions) == len(expected_attentions) == model.config.num_hidden_layers
+    for got, want in zip(got_attentions, expected_attentions):
+        assert rel_err(got, want) <= 1e-5
+
+
 def test_training_mode_and_unsupported_head_dims_take_hf_layers():
     model = tiny_model("llama", head_dim=24)  # decode_attention has no kernel for head_dim 24
     ids, mask = left_padded(9)
