@@ -12,10 +12,16 @@ top-k, top-p. Sampling draws with the exponential-race form of ``multinomial``: 
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor
 
 from fuselm.generation.options import DecodeOptions
 from fuselm.ops.argmax import row_argmax
+
+# HF's generate leaves each row's left padding out of its repetition penalty from transformers 5.23 on; before, the
+# padding's token ids count as seen
+PENALTY_SKIPS_PADDING = Version(transformers.__version__).release >= (5, 23)
 
 
 class ChoiceState:
@@ -24,8 +30,8 @@ class ChoiceState:
     Buffers: ``tokens`` [B, 1] int64, the last chosen token (the next step's input); ``positions`` [B, 1] int64,
     its position id; ``generated`` [B, capacity] int64, the tokens chosen so far; ``done`` [B] bool, rows that
     stopped; ``finish`` [B] int64, the step at which each row emitted eos (-1: not yet, or a filler row);
-    ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row past its left padding
-    (repetition penalty); ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
+    ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row (past its left padding
+    where HF's penalty skips it: PENALTY_SKIPS_PADDING) for the repetition penalty; ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
     """
 
     def __init__(self, batch: int, vocab: int, capacity: int, device: torch.device):
@@ -64,7 +70,7 @@ class ChoiceState:
         self.done.zero_()
         self.done[real_rows:].fill_(True)  # filler rows only pad the batch to its bucket
         if options.repetition_penalty != 1.0:
-            if mask is not None:  # HF's penalty skips each row's left padding (up to its first non-zero mask value)
+            if mask is not None and PENALTY_SKIPS_PADDING:  # up to each row's first non-zero mask value
                 padding = (mask != 0).int().argmax(dim=1, keepdim=True)
                 ignored = torch.arange(prompt.shape[1], device=prompt.device) < padding
                 prompt = torch.where(ignored, prompt[:, -1:], prompt)  # the row's last token, seen anyway

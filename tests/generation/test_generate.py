@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
 import fuselm
 from fuselm.generation import engine as engine_module
 from fuselm.generation.api import engine_of
+from fuselm.generation.choice import PENALTY_SKIPS_PADDING
 from fuselm.generation.options import read_options
 from fuselm.patching.modules import FusedDecoderLayer
 from tests.conftest import HAS_CUDA
@@ -156,8 +157,8 @@ def test_static_cache_generate_still_works_on_a_patched_model():
 
 def test_processors_match_hf_on_the_loops_logits():
     """Repetition penalty, min_new_tokens, temperature, top-k and top-p: the loop's scores are HF's processors and
-    warpers (as HF's generate makes them: the penalty skips the left padding) applied to the loop's raw logits and
-    its tokens so far; greedy with the penalty gives HF's tokens."""
+    warpers (as HF's generate makes them: from transformers 5.23 on, the penalty skips the left padding) applied to
+    the loop's raw logits and its tokens so far; greedy with the penalty gives HF's tokens."""
     model = decode_model("qwen2")
     ids, mask = left_padded()
     eos = eos_inside(model, ids, mask)
@@ -166,7 +167,7 @@ def test_processors_match_hf_on_the_loops_logits():
     sampled = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=9, top_p=0.8, repetition_penalty=1.3,
                    return_dict_in_generate=True, output_scores=True, output_logits=True)
     out = fused_generate(model, ids, mask, **sampled)
-    padding = (mask != 0).int().argmax(dim=1)  # HF's penalty skips each row's left padding
+    padding = (mask != 0).int().argmax(dim=1) if PENALTY_SKIPS_PADDING else None
     processors = [RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=padding), TemperatureLogitsWarper(0.7),
                   TopKLogitsWarper(9), TopPLogitsWarper(0.8)]
     for step, (raw, scores) in enumerate(zip(out.logits, out.scores)):
@@ -298,8 +299,9 @@ def test_min_new_tokens_wins_over_min_length():
     assert torch.equal(fused_generate(model, ids, mask, **asked), expected)
 
 
-def test_repetition_penalty_skips_the_left_padding():
-    """The padding's token id (here the token row 2 takes first) is not penalised, as in HF's generate."""
+def test_repetition_penalty_reads_the_left_padding_as_hf_does():
+    """The padding's token id (here the token row 2 takes first) is penalised or not as HF's generate does: from
+    transformers 5.23 on it is not, and row 2 takes it."""
     model = decode_model("llama")
     ids, mask = left_padded()
     asked = dict(max_new_tokens=4, do_sample=False, repetition_penalty=2.0, return_dict_in_generate=True,
@@ -311,7 +313,8 @@ def test_repetition_penalty_skips_the_left_padding():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = fuselm.generate(model, ids, attention_mask=mask, pad_token_id=first, **asked)
-    assert torch.equal(out.sequences, expected.sequences) and out.sequences[2, PROMPT] == first
+    assert torch.equal(out.sequences, expected.sequences)
+    assert (out.sequences[2, PROMPT] == first) == PENALTY_SKIPS_PADDING
     for got, want in zip(out.scores, expected.scores, strict=True):
         assert rel_err(got, want) <= 1e-5
 
