@@ -31,7 +31,8 @@ class ChoiceState:
     its position id; ``generated`` [B, capacity] int64, the tokens chosen so far; ``done`` [B] bool, rows that
     stopped; ``finish`` [B] int64, the step at which each row emitted eos (-1: not yet, or a filler row);
     ``count`` [1] int64, tokens chosen so far; ``seen`` [B, V] bool, tokens in each row (past its left padding
-    where HF's penalty skips it: PENALTY_SKIPS_PADDING) for the repetition penalty; ``scores``/``logits`` [B, V] fp32, the last step's processed scores and raw logits.
+    where HF's penalty skips it: PENALTY_SKIPS_PADDING) for the repetition penalty; ``scores``/``logits`` [B, V]
+    fp32, the last step's processed scores and raw logits.
     """
 
     def __init__(self, batch: int, vocab: int, capacity: int, device: torch.device):
