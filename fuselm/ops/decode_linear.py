@@ -133,7 +133,8 @@ def _qkv_weights(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, num_heads
 
 def _write_cache(cache: Tensor, new: Tensor, cache_positions: Tensor) -> None:
     """cache [B, H, L, D][b, :, cache_positions[b, t]] = new[b, t] for new [B, T, H, D]; a position outside [0, L)
-    writes nothing (as the kernels do)."""
+    writes nothing (as the kernels do). The mask's selection syncs with the host on CUDA: this fallback never runs in
+    a captured graph (the engine captures the kernels; with the reference backend it captures nothing)."""
     batch, seq_len = new.shape[:2]
     positions = cache_positions.expand(batch, seq_len).long()
     rows = torch.arange(batch, device=cache.device)[:, None].expand(batch, seq_len)
