@@ -79,14 +79,22 @@ class Projection:
     activation_bytes: int
 
 
-def _fused_norm_variants(fused: Callable[[dict, bool], object]) -> dict[str, Callable[[dict], object]]:
-    """``fused(s, in_prologue)`` both ways: the kernel's prologue norm and fuselm.rms_norm first."""
-    return {"fused, norm in prologue": lambda s: fused(s, True), "fused, rms_norm first": lambda s: fused(s, False)}
+def _fused_norm_variants(fused: Callable[[dict, str], object]) -> dict[str, Callable[[dict], object]]:
+    """``fused(s, norm)`` three ways: the kernel's prologue norm, fuselm.rms_norm first, and no norm at all (the
+    kernel alone on x as if a previous kernel had normed it: what moving the norm out of the prologue could save)."""
+    return {"fused, norm in prologue": lambda s: fused(s, "prologue"),
+            "fused, rms_norm first": lambda s: fused(s, "first"),
+            "fused, x normed elsewhere (kernel alone)": lambda s: fused(s, "none")}
 
 
-def _norm_operand(s: dict, in_prologue: bool) -> tuple:
-    """(x, norm weight) for a streaming op: as given (norm in its prologue), or fuselm.rms_norm(x) and None."""
-    return (s["x"], s["norm"]) if in_prologue else (fuselm.rms_norm(s["x"], s["norm"], 1e-5).to(s["x"].dtype), None)
+def _norm_operand(s: dict, norm: str) -> tuple:
+    """(x, norm weight) for a streaming op: as given (``norm`` "prologue": in its prologue), fuselm.rms_norm(x)
+    and None ("first"), or x and None ("none": no norm anywhere)."""
+    if norm == "prologue":
+        return s["x"], s["norm"]
+    if norm == "first":
+        return fuselm.rms_norm(s["x"], s["norm"], 1e-5).to(s["x"].dtype), None
+    return s["x"], None
 
 
 def qkv_projection(shapes: Shapes, m: int, as_generate: bool = False) -> Projection:
@@ -105,8 +113,8 @@ def qkv_projection(shapes: Shapes, m: int, as_generate: bool = False) -> Project
                 "v_cache": randn(m, shapes.kv_heads, shapes.cache_len, shapes.head_dim),
                 "positions": torch.randint(0, shapes.cache_len, (m, 1), device=DEVICE, dtype=positions_dtype)}
 
-    def fused(s, in_prologue):
-        return decode_linear.QKV_ROPE(*_norm_operand(s, in_prologue), 1e-5, s["wq"], s["wk"], s["wv"], None, None,
+    def fused(s, norm):
+        return decode_linear.QKV_ROPE(*_norm_operand(s, norm), 1e-5, s["wq"], s["wk"], s["wv"], None, None,
                                       None, None, None, 1e-5, s["cos"], s["sin"], s["k_cache"], s["v_cache"],
                                       s["positions"], shapes.heads, "llama", 0.0)
 
@@ -137,8 +145,8 @@ def gate_up_projection(shapes: Shapes, m: int) -> Projection:
         return {"x": randn(m, k), "norm": 1 + randn(k, scale=0.1), "gate": randn(n, k, scale=0.02),
                 "up": randn(n, k, scale=0.02)}
 
-    def fused(s, in_prologue):
-        return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, in_prologue), 1e-5, s["gate"], s["up"], "silu", 0.0)
+    def fused(s, norm):
+        return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, norm), 1e-5, s["gate"], s["up"], "silu", 0.0)
 
     def separate(s):  # fuselm.rms_norm, two cuBLAS GEMMs, fuselm.silu_mul
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
