@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fuselm.generation.engine import DecodeEngine
-from fuselm.generation.options import read_options
+from fuselm.generation.options import DecodeOptions, read_options
 
 _ENGINES: weakref.WeakKeyDictionary[nn.Module, DecodeEngine] = weakref.WeakKeyDictionary()
 _HF_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
@@ -56,6 +56,15 @@ def _check_inputs(input_ids: object, attention_mask: object) -> None:
                              f"{tuple(attention_mask.shape)}")
 
 
+def _inferred_mask(input_ids: Tensor, options: DecodeOptions) -> Tensor | None:
+    """The attention mask HF's generate makes for a call without one (``_prepare_attention_mask_for_generation``):
+    0 at every ``pad_token_id`` of the prompt, when that id is set and is no eos id; None (no padding) otherwise. A
+    prompt without the pad id then reads as unpadded."""
+    if options.pad is None or options.pad in options.eos:
+        return None
+    return (input_ids != options.pad).long()
+
+
 def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, kwargs: dict):
     """(output, None) from fuselm's loop, or (None, reason) when the call must go to HF. ``model`` is patched."""
     streamer = kwargs.pop("streamer", None)
@@ -70,6 +79,8 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     reason = engine.model_reason()
     if reason is not None:
         return None, reason
+    if attention_mask is None:
+        attention_mask = _inferred_mask(input_ids, options)
     if attention_mask is not None:
         attention_mask = attention_mask.to(input_ids.device)
         attends = attention_mask != 0  # as HF reads any mask (a float one too)
@@ -97,7 +108,8 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None 
         model: a transformers causal LM (or a PEFT model around one), patched by ``fuselm.patch`` or not (then it
             is patched for the call and unpatched after).
         input_ids: [B, S] integer token ids, left-padded when rows differ in length.
-        attention_mask: [B, S], 1 (or True, or 1.0) at real tokens, 0 at the left padding; None: no padding.
+        attention_mask: [B, S], 1 (or True, or 1.0) at real tokens, 0 at the left padding; None: as HF's, the
+            prompt's ``pad_token_id`` tokens are the padding (none when that id is unset or an eos id).
         generation_kwargs: HF's ``generate`` arguments: GenerationConfig fields (``max_new_tokens``,
             ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``,
             ``pad_token_id``, ``min_new_tokens``, ``output_scores``, ``output_logits``,

@@ -329,6 +329,22 @@ def test_a_float_attention_mask_is_read_as_hf_reads_it():
         assert torch.equal(hf_generate(model, ids, mask.float(), max_new_tokens=NEW, do_sample=False), expected)
 
 
+def test_no_attention_mask_reads_the_pad_tokens_as_padding_as_hf_does():
+    """No attention_mask: HF's generate masks the prompt's pad_token_id tokens (the left padding here), unless that id
+    is an eos id; so do fuselm.generate and the patched model's generate."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(hf_generate(model, ids, None, max_new_tokens=NEW, do_sample=False), expected)
+    assert torch.equal(fused_generate(model, ids, None, max_new_tokens=NEW, do_sample=False), expected)
+    with fuselm.patched(model):
+        assert torch.equal(hf_generate(model, ids, None, max_new_tokens=NEW, do_sample=False), expected)
+    unmasked = hf_generate(model, ids, None, max_new_tokens=NEW, do_sample=False, eos_token_id=0)
+    assert not torch.equal(unmasked, expected)
+    assert torch.equal(fused_generate(model, ids, None, max_new_tokens=NEW, do_sample=False, eos_token_id=0),
+                       unmasked)
+
+
 def test_an_int32_prompt_gives_int64_sequences():
     model = decode_model("llama")
     ids, mask = left_padded()
