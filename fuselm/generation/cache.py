@@ -106,19 +106,23 @@ def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:
 
 class HostFill:
     """What the host knows of a cache's fill, shared by its layers: positions written per row since ``plan`` or
-    ``reset`` (``filled``; None before either), and whether the forward now running started on a cache known to be
-    empty (``fresh``)."""
+    ``reset`` (``filled``; None before either), whether the forward now running started on a cache known to be
+    empty (``fresh``), and whether ``starts`` came from an attention mask given to ``plan`` (``masked``)."""
 
     def __init__(self):
         self.filled: int | None = None
         self.fresh = False
+        self.masked = False
 
     def advance(self, num_tokens: int) -> None:
         self.fresh = self.filled == 0
         self.filled = None if self.filled is None else self.filled + num_tokens
 
-    def clear(self) -> None:
-        self.filled, self.fresh = 0, False
+    def clear(self, masked: bool = False) -> None:
+        self.filled, self.fresh, self.masked = 0, False, masked
+
+    def crop(self, num_tokens: int) -> None:
+        self.filled = None if self.filled is None else self.filled - num_tokens
 
 
 class FusedKVLayer(CacheLayerMixin):
@@ -349,7 +353,7 @@ class FusedKVCache(StaticCache):
         if attention_mask.shape[1] > self.max_cache_len:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions, more than max_cache_len "
                              f"{self.max_cache_len}")
-        self._host.clear()
+        self._host.clear(masked=True)
         mask = attention_mask.to(self.device, non_blocking=True) != 0
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
@@ -357,7 +361,10 @@ class FusedKVCache(StaticCache):
 
     def advance(self, num_tokens: int) -> None:
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
-        Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32."""
+        Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32.
+        Raises ValueError, changing nothing, when the step would pass ``max_cache_len`` (checked on the host: against
+        the positions written since ``plan`` or ``reset``, or, before either, against ``max_cache_len`` alone)."""
+        self._check_room(num_tokens)
         self.step_slots = self._ends.unsqueeze(1) + self._offsets[:num_tokens]  # before the add: 2 kernels, not 3
         self._ends.add_(num_tokens)
         self._host.advance(num_tokens)
@@ -366,11 +373,28 @@ class FusedKVCache(StaticCache):
     def open_step(self, num_tokens: int, position_ids: Tensor | None = None) -> None:
         """A fused forward's :meth:`advance`, also setting ``starts`` from the new tokens' position ids
         ([1 or B, T]; a row's start is its last slot minus that token's position, which skips its left padding,
-        as HF's ``generate`` numbers positions). None keeps the planned starts. Device work only."""
-        self.advance(num_tokens)
+        as HF's ``generate`` numbers positions) unless ``plan`` was given an attention mask: its padding is what HF's
+        attention masks, whatever the positions (a forward given none numbers padded rows from 0). None keeps the
+        planned starts. Device work only."""
         if position_ids is not None:
+            self._check_position_ids(num_tokens, position_ids)
+        self.advance(num_tokens)
+        if position_ids is not None and not self._host.masked:
             self._starts.copy_(self._ends - 1 - position_ids[:, -1].to(self._ends.device))
             self._refresh_mirrors()
+
+    def _check_room(self, num_tokens: int) -> None:
+        filled = self._host.filled or 0
+        if filled + num_tokens > self.max_cache_len:
+            held = f" after the {filled} it holds" if filled else ""
+            raise ValueError(f"num_tokens: {num_tokens} new positions{held} do not fit the cache's max_cache_len "
+                             f"{self.max_cache_len} (make a longer cache, or plan() a new batch)")
+
+    def _check_position_ids(self, num_tokens: int, position_ids: Tensor) -> None:
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, self.batch_size) \
+                or position_ids.shape[1] != num_tokens:
+            raise ValueError(f"position_ids must have shape [1 or {self.batch_size}, {num_tokens}] (the cache's "
+                             f"batch, the step's tokens), got {tuple(position_ids.shape)}")
 
     def starts_empty(self, layer_idx: int) -> bool:
         """Whether the forward now at layer ``layer_idx`` started on a cache known to be empty (the prefill after
@@ -379,17 +403,42 @@ class FusedKVCache(StaticCache):
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
-        """HF's write path: layer 0 opens the step (``advance(T)``), then the layer writes its [B, Hkv, T, D]
-        states; returns that layer's whole (keys, values) buffers."""
+        """HF's write path: layer 0 opens the step (``advance(T)``, after checking the states: a bad call changes
+        nothing), then the layer writes its [B, Hkv, T, D] states; returns that layer's whole (keys, values)
+        buffers."""
+        layer = self.layers[layer_idx]
         if layer_idx == 0:
+            layer._check_states(key_states, value_states)
             self.advance(key_states.shape[2])
-        return self.layers[layer_idx].update(key_states, value_states)
+        return layer.update(key_states, value_states)
 
     def reset(self) -> None:
         """Zero every buffer and both lengths in place (no reallocation)."""
         super().reset()
         self._row_lengths.zero_()
         self._host.clear()
+        self._refresh_mirrors()
+
+    @property
+    def is_croppable(self) -> bool:
+        """Every layer keeps every position (sliding ones too), so ``crop`` always puts the cache back."""
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``|tokens_to_remove|`` positions of every row (``ends -= |tokens_to_remove|``, device, in
+        place; the buffers keep their stale states, overwritten by the next writes), as HF's static layers crop:
+        ``tokens_to_remove`` <= 0 (HF's assisted decoding passes ``-n``)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove must be <= 0 (minus the positions to remove, as for HF's static "
+                             f"caches), got {tokens_to_remove}")
+        removed = -tokens_to_remove
+        if self._host.filled is not None and removed > self._host.filled:
+            raise ValueError(f"tokens_to_remove: cannot remove {removed} positions, the cache holds "
+                             f"{self._host.filled}")
+        self._ends.sub_(removed)
+        self._host.crop(removed)
         self._refresh_mirrors()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:

@@ -14,7 +14,7 @@ import fuselm
 from fuselm.generation import FusedKVCache
 from tests.conftest import DEVICE
 from tests.helpers import rel_err
-from tests.models import FUSED_LAYERS, tiny_model, token_ids
+from tests.models import FUSED_LAYERS, decode_model, tiny_model, token_ids
 
 FAMILY_NAMES = FUSED_LAYERS
 SLIDING = ("mistral", "gemma2", "gemma3")
@@ -392,3 +392,102 @@ def test_beam_search_reorders_rows_in_place():
         assert torch.equal(model.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, **beams), expected)
     assert reorder.call_count > 0
     assert [t.data_ptr() for t in (*all_buffers(cache), *cache.lengths())] == storage
+
+
+def forward_steps(model, cache, ids, mask, chunks):
+    """The model over ``ids`` [B, S] in chunks of the given token counts, each with the mask so far ([B, S] left
+    padded) and no position ids: HF's default then numbers every row's slots from 0, padding included. Returns the
+    logits [B, S, V]."""
+    logits, done = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            step = ids[:, done:done + size]
+            logits.append(model(step, attention_mask=mask[:, :done + size], **{CACHE_ARG: cache}).logits)
+            done += size
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_patched_decode_steps_attend_over_the_planned_mask_whatever_the_positions(name):
+    """A planned left-padded batch, decoded by hand with no position ids: the fused decode steps attend over each row's
+    real tokens as HF's masks do (they took the rows' starts from the positions, attending over the padding)."""
+    ids, mask = left_padded_batch(pads=(4, 0), seq_len=PROMPT + 3)
+    reference = decode_model(name)
+    expected = forward_steps(reference, StaticCache(config=reference.config, max_cache_len=PROMPT + 3), ids, mask,
+                             (PROMPT, 1, 1, 1))
+    model = decode_model(name)
+    fuselm.patch(model)
+    cache = FusedKVCache(model, 2, PROMPT + 3)
+    cache.plan(mask)
+    got = forward_steps(model, cache, ids, mask, (PROMPT, 1, 1, 1))
+    real = mask.bool()
+    assert rel_err(got[real], expected[real]) <= 1e-5
+    assert cache.lengths()[0].tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_step_past_max_cache_len_raises_and_changes_nothing(patched):
+    model = decode_model("llama")
+    if patched:
+        fuselm.patch(model)
+    cache = FusedKVCache(model, 2, PROMPT + 1)
+    ids, mask = left_padded_batch(pads=(2, 0), seq_len=PROMPT + 2)
+    cache.plan(mask[:, :PROMPT])
+    forward_steps(model, cache, ids, mask, (PROMPT, 1))  # exactly full
+    lengths, buffers = cache._row_lengths.clone(), [t.clone() for t in all_buffers(cache)]
+    with pytest.raises(ValueError, match="max_cache_len"):
+        forward_steps(model, cache, ids[:, PROMPT + 1:], mask, (1,))
+    assert torch.equal(cache._row_lengths, lengths)
+    assert all(torch.equal(t, saved) for t, saved in zip(all_buffers(cache), buffers))
+    cache.plan(None)
+    with pytest.raises(ValueError, match="max_cache_len"):  # a prefill longer than the cache
+        forward_steps(model, cache, token_ids(2, PROMPT + 2), torch.ones(2, PROMPT + 2, dtype=torch.long),
+                      (PROMPT + 2,))
+    assert not cache._row_lengths.any()
+
+
+def test_calls_for_another_batch_size_raise_before_the_step_opens():
+    model = decode_model("llama")
+    fuselm.patch(model)
+    cache = FusedKVCache(model, 2, 12)
+    cache.plan(None)
+    with pytest.raises(ValueError, match="position_ids"), torch.no_grad():
+        model(token_ids(4, 3), position_ids=torch.arange(3).expand(4, 3), **{CACHE_ARG: cache})
+    with pytest.raises(ValueError, match="key_states"):
+        cache.update(*(torch.randn(4, 2, 3, 64, device=DEVICE) for _ in range(2)), 0)
+    assert not cache._row_lengths.any()
+    beams = {"num_beams": 2, "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "disable_compile": True}
+    with pytest.raises(ValueError, match=r"position_ids must have shape \[1 or 2"):
+        model.generate(token_ids(2, 5), **{CACHE_ARG: cache}, **beams)  # 4 rows of beams in a cache of 2
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_assisted_generate_crops_the_cache_like_hf(name):
+    """Assisted decoding crops the rejected draft tokens (crop(-n)); a sliding window does not stop it here (every
+    position is kept), as it stops HF's StaticCache."""
+    model, draft = family_model(name), family_model(name, seed=1)
+    ids = token_ids(1, 5)
+    assisted = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "disable_compile": True,
+                "assistant_model": draft}
+    expected = model.generate(ids, **assisted)
+    cache = FusedKVCache(model, 1, 5 + 6 + 6)
+    cache.plan(None)
+    assert cache.is_croppable
+    with mock.patch.object(cache, "crop", wraps=cache.crop) as crop:
+        assert torch.equal(model.generate(ids, **{CACHE_ARG: cache}, **assisted), expected)
+    assert any(call.args[0] < 0 for call in crop.call_args_list)
+
+
+def test_crop_forgets_the_last_positions_of_every_row():
+    cache = FusedKVCache(family_model("llama"), 2, 12)
+    cache.plan(torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    cache.advance(5)
+    cache.crop(-2)
+    cache.crop(0)
+    assert cache.lengths()[0].tolist() == [1, 0] and cache.lengths()[1].tolist() == [3, 3]
+    assert cache.get_mask_sizes(1, 0) == (12, 0)
+    for bad, error in [(1, ValueError), (-4, ValueError), (-1.0, TypeError)]:
+        with pytest.raises(error, match="tokens_to_remove"):
+            cache.crop(bad)
+    cache.crop(-3)
+    assert cache.get_mask_sizes(4, 0) == (4, 0)  # empty again: the next forward attends over its own states
