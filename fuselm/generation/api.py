@@ -149,13 +149,15 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None 
     return model.generate(input_ids, **call) if model is not lm else hf_generate(model, input_ids, **call)
 
 
-def patched_generate(self: nn.Module, inputs: Tensor | None = None, generation_config=None, **kwargs):
-    """A patched causal LM's ``generate``: fuselm's loop when the call allows it, else HF's own (silently)."""
+def patched_generate(self: nn.Module, inputs: Tensor | None = None, *args, **kwargs):
+    """A patched causal LM's ``generate``: fuselm's loop when the call allows it, else HF's own (silently). Takes
+    HF's arguments as HF's signature does: ``generation_config``, ``logits_processor``, ... by position too."""
+    positional = dict(zip(_HF_ARGUMENTS, args))
+    if len(args) > len(_HF_ARGUMENTS) or positional.keys() & kwargs.keys():
+        return hf_generate(self, inputs, *args, **kwargs)  # HF raises its TypeError
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     attention_mask = kwargs.get("attention_mask")
-    loop_kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
-    if generation_config is not None:
-        loop_kwargs["generation_config"] = generation_config
+    loop_kwargs = {k: v for k, v in {**positional, **kwargs}.items() if k not in ("input_ids", "attention_mask")}
     usable = isinstance(input_ids, Tensor) and not any(k in loop_kwargs for k in ("inputs_embeds",))
     if usable:
         try:
@@ -166,4 +168,4 @@ def patched_generate(self: nn.Module, inputs: Tensor | None = None, generation_c
         output, reason = run_or_reason(self, input_ids, attention_mask, loop_kwargs)
         if reason is None:
             return output
-    return hf_generate(self, inputs, generation_config, **kwargs)
+    return hf_generate(self, inputs, *args, **kwargs)

@@ -144,6 +144,29 @@ def test_patched_model_generate_runs_the_loop(name):
     assert torch.equal(out, expected[:, :PROMPT + 4])
 
 
+def test_patched_generate_takes_hfs_arguments_by_position():
+    """HF's generate takes generation_config, logits_processor, ... by position: so does a patched model's, the loop
+    running a generation config, HF a logits processor; two values for one argument is HF's TypeError."""
+    from transformers import GenerationConfig, LogitsProcessorList, MinLengthLogitsProcessor
+
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    processors = LogitsProcessorList([MinLengthLogitsProcessor(PROMPT + 6, eos_token_id=eos)])
+    expected = [model.generate(ids, config, attention_mask=mask), model.generate(ids, config, processors,
+                                                                                 attention_mask=mask)]
+    assert not torch.equal(*expected)
+    fuselm.patch(model)
+    with mock.patch.object(engine_module.DecodeEngine, "run", autospec=True,
+                           side_effect=engine_module.DecodeEngine.run) as run:
+        assert torch.equal(model.generate(ids, config, attention_mask=mask), expected[0])
+        assert torch.equal(model.generate(ids, config, processors, attention_mask=mask), expected[1])
+    assert run.call_count == 1
+    with pytest.raises(TypeError, match="generation_config"):
+        model.generate(ids, config, attention_mask=mask, generation_config=config)
+
+
 def test_static_cache_generate_still_works_on_a_patched_model():
     model = decode_model("llama")
     ids, mask = left_padded()
