@@ -76,14 +76,12 @@ def _integer(value: object, name: str) -> int:
 
 
 def _token_ids(value: object, name: str) -> tuple[int, ...]:
+    """``value`` (None, an id, or a list, tuple or tensor of ids) as a tuple of ints."""
     if value is None:
         return ()
     if hasattr(value, "tolist"):  # a tensor, or a numpy integer or array
         value = value.tolist()
-    ids = tuple(_integer(v, name) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    if any(i < 0 for i in ids):
-        raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}")
-    return ids
+    return tuple(_integer(v, name) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def _call_config(base: GenerationConfig, generation_config: GenerationConfig | None,
@@ -195,6 +193,8 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
     min_new = (_integer(config.min_new_tokens, "min_new_tokens") if config.min_new_tokens is not None
                else _integer(config.min_length or 0, "min_length") - prompt_length)
     eos = _token_ids(config.eos_token_id, "eos_token_id")
+    if any(i < 0 for i in eos):  # HF warns, and runs: such an id never ends a row
+        return f"eos_token_id {list(eos)} has a negative id"
     pad = config.pad_token_id
     pad = _integer(pad, "pad_token_id") if pad is not None else eos[0] if eos else None  # eos[0]: as HF does
     do_sample = bool(config.do_sample)

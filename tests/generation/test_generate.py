@@ -395,6 +395,21 @@ def test_integer_arguments_of_any_integer_type():
             fuselm.generate(model, ids, attention_mask=mask, **{name: float(PROMPT + 2)})
 
 
+def test_a_negative_eos_id_goes_to_hf():
+    """A negative eos id: HF warns and runs (the id never ends a row), so fuselm hands the call to HF rather than
+    refuse it."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    eos = eos_inside(model, ids, mask)
+    for asked in (dict(eos_token_id=-1), dict(eos_token_id=[eos, -1])):
+        asked = dict(max_new_tokens=NEW, do_sample=False, **asked)
+        expected = hf_generate(model, ids, mask, **asked)
+        with pytest.warns(UserWarning, match="eos_token_id .* has a negative id"):
+            assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked), expected)
+        with fuselm.patched(model):
+            assert torch.equal(hf_generate(model, ids, mask, **asked), expected)
+
+
 def test_sampling_options_are_checked_as_hf_checks_them():
     """When sampling: top_p above 1 filters nothing, top_p 0 keeps the best token; a temperature or top_k HF's
     warpers refuse is a ValueError naming it, from HF and fuselm alike."""
