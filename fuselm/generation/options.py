@@ -23,11 +23,12 @@ _DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature
              "return_dict_in_generate": False}
 _READ = {*_DEFAULTS, "max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "use_cache"}
 # Fields that do not change what greedy decoding or sampling computes.
+# (is_assistant adds a stopping criterion, assistant_early_exit asks for assisted decoding: neither is inert)
 _INERT = {"bos_token_id", "decoder_start_token_id", "transformers_version", "_from_model_config", "compile_config",
           "disable_compile", "cache_config", "max_cache_len", "early_stopping", "length_penalty", "low_memory",
           "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
-          "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "assistant_ensemble_weight",
-          "max_matching_ngram_size", "is_assistant", "num_beam_groups", "diversity_penalty"}
+          "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight", "max_matching_ngram_size",
+          "num_beam_groups", "diversity_penalty"}
 # Keyword arguments of ``generate`` that are not GenerationConfig fields, with the values that change nothing.
 _CALL_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
                    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",

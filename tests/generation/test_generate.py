@@ -10,6 +10,7 @@ HF with their warning; bad input; no host sync inside a decode step; on a GPU, t
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 from unittest import mock
 
@@ -408,6 +409,20 @@ def test_a_negative_eos_id_goes_to_hf():
             assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked), expected)
         with fuselm.patched(model):
             assert torch.equal(hf_generate(model, ids, mask, **asked), expected)
+
+
+def test_assistant_options_go_to_hf():
+    """assistant_early_exit asks HF for assisted decoding (which refuses a batch of 3) and is_assistant adds HF's
+    confidence stopping criterion: neither is inert, both calls go to HF and give its result (here its error)."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    for asked in (dict(assistant_early_exit=1), dict(is_assistant=True)):
+        asked = dict(max_new_tokens=NEW, do_sample=False, **asked)
+        assert isinstance(read_options(model, PROMPT, None, asked), str)
+        with pytest.raises((ValueError, TypeError)) as hf_error:
+            hf_generate(model, ids, mask, **asked)
+        with fuselm.patched(model), pytest.raises(hf_error.type, match=re.escape(str(hf_error.value))):
+            hf_generate(model, ids, mask, **asked)
 
 
 def test_sampling_options_are_checked_as_hf_checks_them():
