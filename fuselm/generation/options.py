@@ -66,6 +66,24 @@ def _hf_defaults() -> dict:
     return {**(defaults() if defaults is not None else {}), **_DEFAULTS}
 
 
+@functools.cache
+def _generation_parameter_names() -> frozenset[str]:
+    """The names HF's ``PreTrainedConfig._get_generation_parameters`` looks for on a model's config."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return frozenset(defaults() if defaults is not None else ()) - {"use_cache"}
+
+
+def _config_reason(model_config: object) -> str | None:
+    """Why a call without a generation_config goes to HF: the model's config sets generation parameters, which HF's
+    generate refuses (a ValueError naming them). HF's full check (~0.1 ms) runs only when the config's attributes
+    hold one of their names."""
+    find = getattr(model_config, "_get_generation_parameters", None)
+    if find is None or _generation_parameter_names().isdisjoint(vars(model_config)):
+        return None
+    parameters = find()
+    return f"the model's config sets generation parameters {sorted(parameters)}" if parameters else None
+
+
 def _integer(value: object, name: str) -> int:
     """``value`` as an int: a Python or numpy integer, or an integer tensor of one element (``operator.index``)."""
     if not isinstance(value, bool):
@@ -167,6 +185,9 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
         if kwargs.get(name) not in (None, False, [], ()):
             return f"{name} is not supported by fuselm's decode loop"
     kwargs = {k: v for k, v in kwargs.items() if k not in _CALL_ARGUMENTS}
+    reason = _config_reason(model.config) if generation_config is None else None
+    if reason is not None:
+        return reason
     base = getattr(model, "generation_config", None)
     base = base if base is not None else GenerationConfig()
     config, model_inputs = _call_config(base, generation_config, kwargs)

@@ -312,6 +312,29 @@ def test_a_generation_config_takes_the_models_unset_fields():
         assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=config), expected)
 
 
+def test_generation_parameters_on_the_models_config_are_hfs_error():
+    """A generation parameter set on model.config (not its generation_config): HF's generate refuses the call without
+    a generation_config (ValueError naming it), and so do fuselm.generate and the patched model's generate; with one,
+    HF runs it, and so does the loop."""
+    from transformers import GenerationConfig
+
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    model.config.repetition_penalty = 1.5
+    asked = dict(max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        hf_generate(model, ids, mask, **asked)
+    with pytest.warns(UserWarning, match="generation parameters"), pytest.raises(ValueError, match="repetition_pen"):
+        fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked)
+    with fuselm.patched(model), pytest.raises(ValueError, match="repetition_penalty"):
+        hf_generate(model, ids, mask, **asked)
+    config = GenerationConfig(pad_token_id=0, **asked)
+    expected = model.generate(ids, attention_mask=mask, generation_config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, generation_config=config), expected)
+
+
 def test_min_new_tokens_wins_over_min_length():
     """Both set: HF keeps eos away for min_new_tokens steps (min_length is then the prompt plus min_new_tokens)."""
     model = decode_model("llama")
