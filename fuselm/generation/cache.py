@@ -336,7 +336,8 @@ class FusedKVCache(StaticCache):
     # ------------------------------------------------------------------ plan / run
     def plan(self, attention_mask: Tensor | None = None) -> None:
         """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], non-zero
-        (1, True or 1.0) at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work only."""
+        (1, True or 1.0) at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work, but for
+        one host read of a mask (that it pads on the left only: ValueError otherwise)."""
         if attention_mask is None:
             self._host.clear()
             self._row_lengths.zero_()
@@ -353,8 +354,10 @@ class FusedKVCache(StaticCache):
         if attention_mask.shape[1] > self.max_cache_len:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions, more than max_cache_len "
                              f"{self.max_cache_len}")
-        self._host.clear(masked=True)
         mask = attention_mask.to(self.device, non_blocking=True) != 0
+        if (mask[:, 1:] < mask[:, :-1]).any():  # the one host read: fused steps attend over [starts, ends)
+            raise ValueError("attention_mask has padding after a real token: only left padding is supported")
+        self._host.clear(masked=True)
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
         self._refresh_mirrors()

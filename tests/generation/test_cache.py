@@ -491,3 +491,14 @@ def test_crop_forgets_the_last_positions_of_every_row():
             cache.crop(bad)
     cache.crop(-3)
     assert cache.get_mask_sizes(4, 0) == (4, 0)  # empty again: the next forward attends over its own states
+
+
+def test_plan_refuses_padding_after_a_real_token():
+    """HF's masks hide such padding from a later step; a fused step would attend over it (every slot in [starts,
+    ends)): a right-padded prompt continued by decode steps gave other logits than HF's StaticCache."""
+    cache = FusedKVCache(family_model("llama"), 2, 8)
+    cache.plan(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]], device=DEVICE))
+    for bad in ([[1, 1, 0, 0], [1, 1, 1, 1]], [[0, 1, 0, 1], [1, 1, 1, 1]]):
+        with pytest.raises(ValueError, match="attention_mask has padding after a real token"):
+            cache.plan(torch.tensor(bad, device=DEVICE))
+        assert cache.lengths()[0].tolist() == [2, 1]  # unchanged
