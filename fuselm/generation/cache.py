@@ -427,10 +427,14 @@ class FusedKVCache(StaticCache):
         """Every layer keeps every position (sliding ones too), so ``crop`` always puts the cache back."""
         return True
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int | Tensor) -> None:
         """Forget the last ``|tokens_to_remove|`` positions of every row (``ends -= |tokens_to_remove|``, device, in
         place; the buffers keep their stale states, overwritten by the next writes), as HF's static layers crop:
-        ``tokens_to_remove`` <= 0 (HF's assisted decoding passes ``-n``)."""
+        ``tokens_to_remove`` <= 0 (HF's assisted decoding passes ``-n``, as a 0-d integer tensor in transformers 5.17:
+        read on the host here)."""
+        if (isinstance(tokens_to_remove, Tensor) and tokens_to_remove.numel() == 1
+                and not tokens_to_remove.is_floating_point() and tokens_to_remove.dtype != torch.bool):
+            tokens_to_remove = int(tokens_to_remove.item())
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
         if tokens_to_remove > 0:

@@ -482,11 +482,13 @@ def test_crop_forgets_the_last_positions_of_every_row():
     cache = FusedKVCache(family_model("llama"), 2, 12)
     cache.plan(torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
     cache.advance(5)
-    cache.crop(-2)
+    cache.crop(-1)
+    cache.crop(torch.tensor(-1))  # transformers 5.17's assisted decoding passes a 0-d tensor
     cache.crop(0)
     assert cache.lengths()[0].tolist() == [1, 0] and cache.lengths()[1].tolist() == [3, 3]
     assert cache.get_mask_sizes(1, 0) == (12, 0)
-    for bad, error in [(1, ValueError), (-4, ValueError), (-1.0, TypeError)]:
+    for bad, error in [(1, ValueError), (-4, ValueError), (-1.0, TypeError), (torch.tensor(-1.0), TypeError),
+                       (torch.tensor([-1, -1]), TypeError)]:
         with pytest.raises(error, match="tokens_to_remove"):
             cache.crop(bad)
     cache.crop(-3)
