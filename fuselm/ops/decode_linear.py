@@ -16,7 +16,9 @@ Two paths on the GPU, picked by M = rows of x (B * T):
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
   so the weights cross HBM once; the norm runs in the prologue (each x tile times the norm weight is the
   operand, the rows' rstd from the same tiles scales the accumulator) and bias, residual, activation, head norm,
-  RoPE and the cache write in the epilogue. linear_residual and qkv_rope also
+  RoPE and the cache write in the epilogue. With ``FUSELM_NORM_OPERAND=1``, :func:`linear_residual_with_norm_operand`
+  (the o projection) also stores the next norm's operand, and norm_gated_linear (``scaled_x``) reads it instead of
+  building it from x in registers: the same bits. linear_residual and qkv_rope also
   have split-K configs (the autotuner's choice): SPLIT_K programs share a column block, each over a chunk of K,
   and the last to finish sums their fp32 partials in split order and runs the epilogue, in the same launch.
 - larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
