@@ -505,7 +505,7 @@ def launching_tuned_configs_directly(tuner):
 def autotune(configs: list[triton.Config], key: list[str], **options):
     """``triton.autotune`` on a GPU (compiling a new key's configs in parallel: :func:`compiling_in_parallel`); under
     the interpreter, which cannot time, one config: the first, or the one :func:`forced_config` forces. Either way
-    ``kernel.configs`` lists them all."""
+    ``kernel.configs`` lists them all and ``kernel.keys`` names the key arguments."""
     if not INTERPRETING:
         tune = triton.autotune(configs=configs, key=key, do_bench=_time_config, **options)
 
@@ -520,7 +520,7 @@ def autotune(configs: list[triton.Config], key: list[str], **options):
         # each launch reads the pinned config's values, so the grid and best_config always agree
         kernel = triton.heuristics({name: (lambda _args, name=name: kernel.best_config.kwargs[name])
                                     for name in configs[0].kwargs})(fn)
-        kernel.configs = configs
+        kernel.configs, kernel.keys = configs, key
         kernel.best_config = configs[0]  # what triton.autotune exposes after a launch
         return kernel
 

@@ -227,9 +227,10 @@ def test_a_shipped_tuning_table_entry_is_used_on_its_gpu():
     """On a GPU with a shipped table, an op whose key the table holds launches the table's config untimed."""
     device = torch.device("cuda", torch.cuda.current_device())
     table = _common._tuning_table(_common.device_name(device))
-    # x, weight, bias (the weight stands in), residual, out in bf16, the split-K partials fp32, the tickets int32
-    entry = ("_linear_residual_kernel",
-             json.dumps([16, 4096, 4096] + ["torch.bfloat16"] * 5 + ["torch.float32", "torch.int32"]))
+    # x, weight, bias (the weight stands in), residual, out in bf16, the split-K partials fp32, the tickets int32,
+    # then the norm weight (the weight stands in) and its scaled operand (out stands in) in bf16
+    entry = ("_linear_residual_kernel", json.dumps([16, 4096, 4096] + ["torch.bfloat16"] * 5
+                                                   + ["torch.float32", "torch.int32"] + ["torch.bfloat16"] * 2))
     if entry not in table:
         pytest.skip(f"no shipped table entry for {entry} on {_common.device_name(device)}")
     x, residual = (randn(1, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -293,8 +294,9 @@ def test_a_tuning_table_entry_keeps_only_its_config(monkeypatch, tmp_path):
     _forget_tables()
 
 
-def _autotuned_kernels() -> dict[str, list]:
-    """Every autotuned fuselm kernel's name and configs (the union over its autotuners)."""
+def _autotuners() -> dict[str, list]:
+    """Every autotuned fuselm kernel's name and its autotuners (under the interpreter, its one-config stand-ins;
+    either has ``configs``, ``keys`` and ``arg_names``)."""
     import fuselm.ops.attention
     import fuselm.ops.cross_entropy
     import fuselm.ops.decode_linear
@@ -302,15 +304,20 @@ def _autotuned_kernels() -> dict[str, list]:
     import fuselm.ops.rms_norm
     import fuselm.ops.rope  # noqa: F401
 
-    kernels = {}
+    tuners = {}
     for module in [m for name, m in vars(fuselm.ops).items() if not name.startswith("_") or name == "_common"]:
         for value in vars(module).values():
             if hasattr(value, "configs") and hasattr(value, "fn"):
                 fn = value
                 while hasattr(fn, "fn"):
                     fn = fn.fn
-                kernels.setdefault(fn.__name__, []).extend(value.configs)
-    return kernels
+                tuners.setdefault(fn.__name__, []).append(value)
+    return tuners
+
+
+def _autotuned_kernels() -> dict[str, list]:
+    """Every autotuned fuselm kernel's name and configs (the union over its autotuners)."""
+    return {name: [config for tuner in tuners for config in tuner.configs] for name, tuners in _autotuners().items()}
 
 
 def test_the_shipped_tuning_tables_name_configs_their_kernels_have():
@@ -327,6 +334,19 @@ def test_the_shipped_tuning_tables_name_configs_their_kernels_have():
             listed = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                       for c in kernels[pick["kernel"]]]
             assert pick["config"] in listed, (path.name, pick)
+
+
+def test_the_shipped_tuning_tables_keys_fit_their_kernels_arguments():
+    """A pick's key is the kernel's key arguments, then one dtype per tensor argument (launch_key; fuselm names
+    every tensor argument *_ptr): a kernel that gains or loses a tensor argument leaves every key of its table
+    behind, and the GPU would tune at run time instead (19faf7f's two new pointers did, caught on an H100)."""
+    tuners = _autotuners()
+    for path in sorted(_common.TUNING_DIR.glob("*.json")):
+        for pick in json.loads(path.read_text())["picks"]:
+            fits = [len(pick["key"]) == len(tuner.keys) + sum(name.endswith("_ptr") for name in tuner.arg_names)
+                    and all(str(value).startswith("torch.") for value in pick["key"][len(tuner.keys):])
+                    for tuner in tuners[pick["kernel"]]]
+            assert any(fits), (path.name, pick["kernel"], pick["key"])
 
 
 def test_dependent_launch_is_off_on_the_cpu_and_in_the_interpreter():
