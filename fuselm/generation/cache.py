@@ -357,6 +357,11 @@ class FusedKVCache(StaticCache):
         mask = attention_mask.to(self.device, non_blocking=True) != 0
         if (mask[:, 1:] < mask[:, :-1]).any():  # the one host read: fused steps attend over [starts, ends)
             raise ValueError("attention_mask has padding after a real token: only left padding is supported")
+        self._plan_left_padded(mask)
+
+    def _plan_left_padded(self, mask: Tensor) -> None:
+        """:meth:`plan` for a [batch_size, S <= max_cache_len] bool mask on the cache's device that its caller has
+        found to pad on the left only (fuselm's engine: ``run_or_reason`` read that): no host read."""
         self._host.clear(masked=True)
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))

@@ -232,7 +232,8 @@ class DecodeEngine:
 
     def run(self, input_ids: Tensor, attention_mask: Tensor | None, options: DecodeOptions, streamer=None):
         """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options. Call it after
-        :meth:`model_reason` found nothing, which took the fingerprint the captured steps are checked against."""
+        :meth:`model_reason` found nothing, which took the fingerprint the captured steps are checked against.
+        ``attention_mask``: None (no padding) or [B, S], found by the caller to pad on the left only."""
         batch, prompt_len = input_ids.shape
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -240,7 +241,10 @@ class DecodeEngine:
         state, cache = bucket.state, bucket.cache
         ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])
         state.start(options, ids, mask, batch)
-        cache.plan(mask)
+        if mask is None:
+            cache.plan(None)
+        else:  # run_or_reason found it left-padded; plan would read that from the device again
+            cache._plan_left_padded(mask.to(cache.device) != 0)
         if mask is None:
             positions = bucket.positions[:prompt_len].expand(ids.shape[0], -1)
         else:

@@ -604,6 +604,29 @@ def test_decode_step_never_syncs(name):
     assert syncs.seen == [] and out.sequences.shape == (3, PROMPT + 2)
 
 
+def test_padded_call_reads_its_mask_once():
+    """fuselm.generate reads a padded mask back once, before the loop (that it pads on the left only, and whether it
+    pads at all): the loop plans the cache from it, through its prefill, reading nothing back."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    expected = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False)
+    run, prefill, seen = engine_module.DecodeEngine.run, engine_module.DecodeEngine._prefill, []
+
+    def watched_run(self, *args, **kwargs):
+        with HostSyncs() as syncs:
+            def watched_prefill(engine, *prefill_args):
+                seen.append(list(syncs.seen))  # the reads between run's start and the prefill
+                return prefill(engine, *prefill_args)
+
+            with mock.patch.object(engine_module.DecodeEngine, "_prefill", watched_prefill):
+                return run(self, *args, **kwargs)
+
+    with mock.patch.object(engine_module.DecodeEngine, "run", watched_run):
+        outs = [fused_generate(model, ids, mask, max_new_tokens=3, do_sample=False) for _ in range(2)]
+    assert seen[1] == []  # the second call: its bucket and the rotary tables exist
+    assert all(torch.equal(out, expected) for out in outs)
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_decode_step_builds_no_mask_and_gathers_the_rotary_embedding(name):
     """Inside a decode step HF's mask functions never run, and the rotary modules' own forward runs only to fill
