@@ -16,9 +16,9 @@ Two paths on the GPU, picked by M = rows of x (B * T):
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
   so the weights cross HBM once; the norm runs in the prologue (each x tile times the norm weight is the
   operand, the rows' rstd from the same tiles scales the accumulator) and bias, residual, activation, head norm,
-  RoPE and the cache write in the epilogue. :func:`linear_residual_with_norm_operand` (the o projection) also stores
-  the next norm's operand, and norm_gated_linear (``scaled_x``) reads it instead of building it from x in registers:
-  the same bits (``FUSELM_NORM_OPERAND=0`` turns that off). linear_residual and qkv_rope also
+  RoPE and the cache write in the epilogue. With ``FUSELM_NORM_OPERAND=1``, :func:`linear_residual_with_norm_operand`
+  (the o projection) also stores the next norm's operand, and norm_gated_linear (``scaled_x``) reads it instead of
+  building it from x in registers: the same bits. linear_residual and qkv_rope also
   have split-K configs (the autotuner's choice): SPLIT_K programs share a column block, each over a chunk of K,
   and the last to finish sums their fp32 partials in split order and runs the epilogue, in the same launch.
 - larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
@@ -82,9 +82,9 @@ LINEAR_RESIDUAL_MAX_ROWS = 32
 # runs the norm first: x * weight before the rstd can leave fp16's range (bf16 has fp32's).
 GATED_PROLOGUE_NORM_MAX_ROWS = 32
 # linear_residual_with_norm_operand stores the operand of the norm_gated_linear after it, which then skips building it
-# in registers: generate B32 +2.9 % on an H100 (session 37, alternating A/B; benchmarks/NOTES.md). FUSELM_NORM_OPERAND=0
-# turns it off
-NORM_OPERAND_FROM_WRITER = os.environ.get("FUSELM_NORM_OPERAND", "1") != "0"
+# in registers: FUSELM_NORM_OPERAND=1. Off: on the tuning table's configs (which its launches share) it lost 4.4 % of
+# generate B32 on an H100 (session 37, alternating A/B; benchmarks/NOTES.md)
+NORM_OPERAND_FROM_WRITER = os.environ.get("FUSELM_NORM_OPERAND", "0") == "1"
 QKV_PROLOGUE_NORM_MAX_ROWS = 32
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
@@ -995,8 +995,8 @@ def linear_residual_with_norm_operand(x: Tensor, weight: Tensor, residual: Tenso
         ``(out.float() * (norm_weight.float() + offset)).to(out.dtype)``, stored by the same kernel as it writes out,
         for ``norm_gated_linear(out, norm_weight, ..., offset=offset, scaled_x=scaled)``: its kernel then reads
         that operand instead of building it from out tile by tile. scaled is None wherever that kernel would not
-        read it (more than ``GATED_PROLOGUE_NORM_MAX_ROWS`` rows, fp16, no streaming kernel), and with
-        ``FUSELM_NORM_OPERAND=0`` (``NORM_OPERAND_FROM_WRITER`` off).
+        read it (more than ``GATED_PROLOGUE_NORM_MAX_ROWS`` rows, fp16, no streaming kernel), and unless
+        ``FUSELM_NORM_OPERAND=1`` (``NORM_OPERAND_FROM_WRITER``).
     """
     check_tensor("x", x)
     _check_weight("weight", weight, x)

@@ -231,7 +231,7 @@ def test_norm_operand_under_split_k(monkeypatch, config):
 
 
 def test_norm_operand_switch(monkeypatch):
-    """NORM_OPERAND_FROM_WRITER off (FUSELM_NORM_OPERAND=0): no operand, out unchanged."""
+    """NORM_OPERAND_FROM_WRITER off (FUSELM_NORM_OPERAND unset or not 1): no operand, out unchanged."""
     monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", False)
     x, weight, residual = randn(3, 40), randn(24, 40), randn(3, 24)
     with fuselm.use_backend("triton"), torch.no_grad():
