@@ -73,6 +73,12 @@ def _generation_parameter_names() -> frozenset[str]:
     return frozenset(defaults() if defaults is not None else ()) - {"use_cache"}
 
 
+def _given(value: object) -> bool:
+    """Whether a call argument of ``_CALL_ARGUMENTS`` asks for something: neither None, False nor an empty list or
+    tuple. Never compares ``value`` (a tensor's ``==`` is elementwise)."""
+    return not (value is None or value is False or (isinstance(value, (list, tuple)) and not value))
+
+
 def _config_reason(model_config: object) -> str | None:
     """Why a call without a generation_config goes to HF: the model's config sets generation parameters, which HF's
     generate refuses (a ValueError naming them). HF's full check (~0.1 ms) runs only when the config's attributes
@@ -182,7 +188,7 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
     ``generate`` refuses (or that is no integer where one is needed).
     """
     for name in _CALL_ARGUMENTS:
-        if kwargs.get(name) not in (None, False, [], ()):
+        if _given(kwargs.get(name)):
             return f"{name} is not supported by fuselm's decode loop"
     kwargs = {k: v for k, v in kwargs.items() if k not in _CALL_ARGUMENTS}
     reason = _config_reason(model.config) if generation_config is None else None

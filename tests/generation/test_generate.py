@@ -448,6 +448,20 @@ def test_assistant_options_go_to_hf():
             hf_generate(model, ids, mask, **asked)
 
 
+def test_negative_prompt_tensors_go_to_hf():
+    """negative_prompt_ids and negative_prompt_attention_mask are tensors (of several elements): the call goes to HF,
+    which runs it (they take part only with guidance_scale), rather than fail comparing them to an unset value."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    for asked in (dict(negative_prompt_ids=ids[:, :3]), dict(negative_prompt_attention_mask=mask[:, :3])):
+        asked = dict(max_new_tokens=4, do_sample=False, **asked)
+        expected = hf_generate(model, ids, mask, **asked)
+        with pytest.warns(UserWarning, match="negative_prompt"):
+            assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, pad_token_id=0, **asked), expected)
+        with fuselm.patched(model):
+            assert torch.equal(hf_generate(model, ids, mask, **asked), expected)
+
+
 def test_sampling_options_are_checked_as_hf_checks_them():
     """When sampling: top_p above 1 filters nothing, top_p 0 keeps the best token; a temperature or top_k HF's
     warpers refuse is a ValueError naming it, from HF and fuselm alike."""
