@@ -262,6 +262,7 @@ class FusedKVCache(StaticCache):
         self._offsets = torch.arange(max_cache_len, dtype=torch.int32, device=devices[0])  # slot offsets of a step
         self.step_slots = self._offsets[:0].expand(batch_size, 0)
         self._host = HostFill()
+        self._host.clear()  # empty, as after reset: a cache used without plan counts its fill too
         self.last_position_only = False
         # layers on other devices than layer 0 read copies of the lengths, refreshed after every change
         self._mirrors = {d: torch.zeros_like(self._row_lengths, device=d) for d in dict.fromkeys(devices[1:])
@@ -371,7 +372,8 @@ class FusedKVCache(StaticCache):
         """Open a step of ``num_tokens`` new positions in every row: ``ends += num_tokens`` (device, in place).
         Each layer then writes them at slots ``ends - num_tokens .. ends - 1``: ``step_slots``, [B, T] int32.
         Raises ValueError, changing nothing, when the step would pass ``max_cache_len`` (checked on the host: against
-        the positions written since ``plan`` or ``reset``, or, before either, against ``max_cache_len`` alone)."""
+        the positions written since construction, ``plan`` or ``reset``, or, where the host knows no count, against
+        ``max_cache_len`` alone)."""
         self._check_room(num_tokens)
         self.step_slots = self._ends.unsqueeze(1) + self._offsets[:num_tokens]  # before the add: 2 kernels, not 3
         self._ends.add_(num_tokens)

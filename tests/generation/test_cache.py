@@ -201,6 +201,7 @@ def test_update_writes_only_each_rows_step_slots():
     assert (batch, kv_heads, head_dim) == (2, 2, 24)
     _, ends = cache.lengths()
     ends.copy_(torch.tensor([1, 4], dtype=torch.int32))
+    cache.restore_host_fill((None, False))  # ends set behind the host's count: it knows no fill
     written = {0: {0: [], 1: []}, 1: {0: [], 1: []}}  # layer -> row -> [(slot, key, value)]
     for step_len in (3, 1):
         for layer_idx in range(len(cache)):
@@ -444,6 +445,24 @@ def test_a_step_past_max_cache_len_raises_and_changes_nothing(patched):
         forward_steps(model, cache, token_ids(2, PROMPT + 2), torch.ones(2, PROMPT + 2, dtype=torch.long),
                       (PROMPT + 2,))
     assert not cache._row_lengths.any()
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_cache_never_planned_counts_its_fill_from_construction(patched):
+    """A cache passed to generate straight after construction (no plan or reset) is empty: a step past max_cache_len
+    raises the ValueError (its count started unknown: the step went on to an IndexError on CPU, past the buffers'
+    end on a GPU)."""
+    model = family_model("llama")
+    if patched:
+        fuselm.patch(model)
+    ids, mask = left_padded_batch(pads=(2, 0), seq_len=5)
+    cache = FusedKVCache(model, 2, 5 + 3)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                       disable_compile=True, **{CACHE_ARG: cache})
+    assert cache.lengths()[1].tolist() == [8, 8]
+    expected = greedy(model, ids, mask)
+    assert torch.equal(greedy(model, ids, mask, **{CACHE_ARG: FusedKVCache(model, 2, 5 + NEW)}), expected)
 
 
 def test_calls_for_another_batch_size_raise_before_the_step_opens():
