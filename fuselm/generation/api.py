@@ -84,12 +84,12 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     if attention_mask is not None:
         attention_mask = attention_mask.to(input_ids.device)
         attends = attention_mask != 0  # as HF reads any mask (a float one too)
-        left_only, unpadded = torch.stack(((attends.int().diff(dim=-1) >= 0).all(),
-                                           attends.all())).tolist()  # one read for both
+        left_only, all_ones = torch.stack(((attends.int().diff(dim=-1) >= 0).all(),
+                                           (attention_mask == 1).all())).tolist()  # one read for both
         if not left_only:
             return None, "attention_mask has padding after a real token (only left padding is supported)"
-        if unpadded:
-            attention_mask = None  # no padding: HF's masks are those of no mask (its sdpa path skips an all-ones one)
+        if all_ones:  # HF's masks and positions are those of no mask (its sdpa path skips an all-ones one); other
+            attention_mask = None  # nonzero values number the positions by the mask's running sum, as HF does
     device = next(model.parameters()).device
     return engine.run(input_ids.to(device), attention_mask, options, streamer), None
 

@@ -376,6 +376,21 @@ def test_a_float_attention_mask_is_read_as_hf_reads_it():
         assert torch.equal(hf_generate(model, ids, mask.float(), max_new_tokens=NEW, do_sample=False), expected)
 
 
+def test_a_mask_of_other_nonzero_values_numbers_positions_as_hf_does():
+    """A mask of nonzero values other than 1 (here 2 everywhere, padding nowhere): HF keeps it, and numbers the
+    positions by its running sum (1, 3, 5, ...) where no mask would count 0, 1, 2, ...; so do fuselm.generate and the
+    patched model's generate."""
+    model = decode_model("llama")
+    ids = token_ids(2, PROMPT)
+    twos = torch.full_like(ids, 2)
+    asked = dict(max_new_tokens=NEW, do_sample=False)
+    expected = hf_generate(model, ids, twos, **asked)
+    assert not torch.equal(expected, hf_generate(model, ids, None, **asked))
+    assert torch.equal(fused_generate(model, ids, twos, **asked), expected)
+    with fuselm.patched(model):
+        assert torch.equal(hf_generate(model, ids, twos, **asked), expected)
+
+
 def test_no_attention_mask_reads_the_pad_tokens_as_padding_as_hf_does():
     """No attention_mask: HF's generate masks the prompt's pad_token_id tokens (the left padding here), unless that id
     is an eos id; so do fuselm.generate and the patched model's generate."""
