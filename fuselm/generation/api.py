@@ -153,8 +153,9 @@ def patched_generate(self: nn.Module, inputs: Tensor | None = None, *args, **kwa
     """A patched causal LM's ``generate``: fuselm's loop when the call allows it, else HF's own (silently). Takes
     HF's arguments as HF's signature does: ``generation_config``, ``logits_processor``, ... by position too."""
     positional = dict(zip(_HF_ARGUMENTS, args))
-    if len(args) > len(_HF_ARGUMENTS) or positional.keys() & kwargs.keys():
-        return hf_generate(self, inputs, *args, **kwargs)  # HF raises its TypeError
+    if (len(args) > len(_HF_ARGUMENTS) or positional.keys() & kwargs.keys()
+            or (inputs is not None and kwargs.get("input_ids") is not None)):
+        return hf_generate(self, inputs, *args, **kwargs)  # HF raises its TypeError (its ValueError: two prompts)
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     attention_mask = kwargs.get("attention_mask")
     loop_kwargs = {k: v for k, v in {**positional, **kwargs}.items() if k not in ("input_ids", "attention_mask")}

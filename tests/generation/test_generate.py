@@ -168,6 +168,16 @@ def test_patched_generate_takes_hfs_arguments_by_position():
         model.generate(ids, config, attention_mask=mask, generation_config=config)
 
 
+def test_patched_generate_refuses_inputs_and_input_ids_together():
+    """The prompt given twice, by position and as input_ids: HF's ValueError, from the patched model's generate too."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    with pytest.raises(ValueError, match="input_ids") as hf_error:
+        model.generate(ids, input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    with fuselm.patched(model), pytest.raises(ValueError, match=re.escape(str(hf_error.value))):
+        model.generate(ids, input_ids=ids, attention_mask=mask, max_new_tokens=3)
+
+
 def test_static_cache_generate_still_works_on_a_patched_model():
     model = decode_model("llama")
     ids, mask = left_padded()
