@@ -88,13 +88,25 @@ def sliding_windows(config: PreTrainedConfig) -> tuple[int | None, ...]:
 
 
 def layer_devices(model: torch.nn.Module, count: int) -> list[torch.device]:
-    """Per decoder layer, the device of its parameters: where ``device_map="auto"`` (or any manual placement) put
-    it, so that its cache buffers sit beside its attention. A model whose decoder layers cannot be found, or a
-    layer without parameters, gets the model's device."""
+    """Per decoder layer, the device it runs on: where ``device_map="auto"`` (or any manual placement) put it, so
+    that its cache buffers sit beside its attention. That is the execution device of accelerate's hook on the layer
+    (an offloaded layer's parameters are on the meta device), else the device of its parameters. A model whose
+    decoder layers cannot be found, or a layer without either, gets the model's device."""
     layers = getattr(getattr(model, "get_decoder", lambda: None)(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) != count:
         return [model.device] * count
-    return [next(layer.parameters(), torch.empty(0, device=model.device)).device for layer in layers]
+    return [_execution_device(layer) or next(layer.parameters(), torch.empty(0, device=model.device)).device
+            for layer in layers]
+
+
+def _execution_device(layer: torch.nn.Module) -> torch.device | None:
+    """The execution device of accelerate's hook on ``layer`` (one hook, or one of a SequentialHook's), or None."""
+    hook = getattr(layer, "_hf_hook", None)
+    for one in getattr(hook, "hooks", (hook,)):
+        device = getattr(one, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None
 
 
 def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:

@@ -465,6 +465,26 @@ def test_a_cache_never_planned_counts_its_fill_from_construction(patched):
     assert torch.equal(greedy(model, ids, mask, **{CACHE_ARG: FusedKVCache(model, 2, 5 + NEW)}), expected)
 
 
+def test_an_offloaded_layers_buffers_sit_on_its_execution_device(tmp_path):
+    """accelerate's offload leaves a layer's weights on the meta device and runs it on its hook's execution device:
+    the cache puts that layer's buffers there, as HF's StaticCache allocates them from the states (they were on
+    meta: generate raised the cache's device TypeError)."""
+    from accelerate import dispatch_model
+
+    model = family_model("llama")
+    ids, mask = left_padded_batch()
+    expected = greedy(model, ids, mask)
+    main = "cuda:0" if DEVICE == "cuda" else "cpu"
+    placement = {name: main for name in ("model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.norm",
+                                         "lm_head")}
+    model = dispatch_model(model, {**placement, "model.layers.1": "disk"}, main_device=main,
+                           offload_dir=str(tmp_path))
+    assert next(model.model.layers[1].parameters()).device.type == "meta"
+    cache = FusedKVCache(model, len(PADS), PROMPT + NEW)
+    assert [cache.buffers(i)[0].device for i in range(2)] == [torch.device(main)] * 2
+    assert torch.equal(generate_with_fused_cache(model, ids, mask, cache)[0], expected)
+
+
 def test_calls_for_another_batch_size_raise_before_the_step_opens():
     model = decode_model("llama")
     fuselm.patch(model)
