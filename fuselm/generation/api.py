@@ -90,8 +90,7 @@ def run_or_reason(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | 
             return None, "attention_mask has padding after a real token (only left padding is supported)"
         if all_ones:  # HF's masks and positions are those of no mask (its sdpa path skips an all-ones one); other
             attention_mask = None  # nonzero values number the positions by the mask's running sum, as HF does
-    device = next(model.parameters()).device
-    return engine.run(input_ids.to(device), attention_mask, options, streamer), None
+    return engine.run(input_ids, attention_mask, options, streamer), None
 
 
 def hf_generate(model: nn.Module, *args, **kwargs):

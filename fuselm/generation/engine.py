@@ -231,7 +231,8 @@ class DecodeEngine:
         return self._reason
 
     def run(self, input_ids: Tensor, attention_mask: Tensor | None, options: DecodeOptions, streamer=None):
-        """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options. Call it after
+        """Generate for [B, S] ``input_ids``; returns what HF's ``generate`` returns for these options, on the device of
+        ``input_ids`` (HF keeps them there, moving only the model's inputs to the model). Call it after
         :meth:`model_reason` found nothing, which took the fingerprint the captured steps are checked against.
         ``attention_mask``: None (no padding) or [B, S], found by the caller to pad on the left only."""
         batch, prompt_len = input_ids.shape
@@ -239,7 +240,7 @@ class DecodeEngine:
             streamer.put(input_ids.cpu())
         bucket = self._bucket(batch, prompt_len + options.max_new_tokens)
         state, cache = bucket.state, bucket.cache
-        ids, mask = _padded(input_ids, attention_mask, state.tokens.shape[0])
+        ids, mask = _padded(input_ids.to(cache.device), attention_mask, state.tokens.shape[0])
         state.start(options, ids, mask, batch)
         if mask is None:
             cache.plan(None)
@@ -462,11 +463,13 @@ class DecodeEngine:
 
     @staticmethod
     def _output(input_ids: Tensor, new: Tensor, scores: list, raw: list, options: DecodeOptions):
-        sequences = torch.cat((input_ids, new.to(input_ids.device)), dim=1)  # int64, as HF's, whatever the prompt's
+        device = input_ids.device
+        sequences = torch.cat((input_ids, new.to(device)), dim=1)  # int64, as HF's, whatever the prompt's
         if not options.return_dict:
             return sequences
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores) if options.output_scores else None,
-                                         logits=tuple(raw) if options.output_logits else None)
+        scores, raw = (tuple(step.to(device) for step in steps) for steps in (scores, raw))
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores if options.output_scores else None,
+                                         logits=raw if options.output_logits else None)
 
 
 def _padded(input_ids: Tensor, attention_mask: Tensor | None, rows: int) -> tuple[Tensor, Tensor | None]:

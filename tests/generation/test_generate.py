@@ -822,6 +822,30 @@ def assert_same_decisive_tokens(out, hf, fp32, steps: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_a_prompt_on_the_cpu_gets_its_outputs_on_the_cpu():
+    """HF's generate keeps input_ids where they are (it moves only the model's inputs to the model): a prompt on the
+    CPU for a model on the GPU gets its sequences, scores and logits on the CPU, from fuselm.generate and the patched
+    model's generate alike."""
+    model = decode_model("llama")
+    ids, mask = (t.cpu() for t in left_padded())
+    asked = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                 output_logits=True)
+    expected = hf_generate(model, ids, mask, **asked)
+    outs = [fused_generate(model, ids, mask, **asked)]
+    fuselm.patch(model)
+    with mock.patch.object(engine_module.DecodeEngine, "run", autospec=True,
+                           side_effect=engine_module.DecodeEngine.run) as run:
+        outs.append(hf_generate(model, ids, mask, **asked))
+    assert run.call_count == 1
+    for out in outs:
+        assert out.sequences.device == expected.sequences.device == torch.device("cpu")
+        assert torch.equal(out.sequences, expected.sequences)
+        for got, want in zip(out.scores + out.logits, expected.scores + expected.logits, strict=True):
+            assert got.device == want.device and rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3"])
 def test_graph_path_in_bf16(name):
     """bf16 on the GPU: the graph replays (one capture serves two calls); the first steps' tokens agree with HF
