@@ -330,6 +330,12 @@ class FusedKVCache(StaticCache):
         self._host.filled, self._host.fresh = fill
 
     @property
+    def planned_with_mask(self) -> bool:
+        """Whether ``starts`` came from the attention mask last given to :meth:`plan` (its padding is then what each
+        row skips, whatever the forwards' positions)."""
+        return self._host.masked
+
+    @property
     def sliding_windows(self) -> tuple[int | None, ...]:
         """Per layer, the window a decode attention applies, or None (full attention)."""
         return tuple(layer.sliding_window for layer in self.layers)

@@ -426,6 +426,28 @@ def test_patched_decode_steps_attend_over_the_planned_mask_whatever_the_position
     assert cache.lengths()[0].tolist() == [4, 0]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("unplanned", ["never", "plan(None)", "reset"])
+def test_patched_forwards_over_an_unplanned_cache_honour_a_padded_mask(name, unplanned):
+    """A left-padded batch run by hand over a cache not planned with its mask, with no position ids (HF numbers the
+    padding): HF's masks, not the default positions, say what each row attends over, as with a StaticCache (the
+    fused steps took each row's start from its positions, attending over the padding)."""
+    ids, mask = left_padded_batch(pads=(4, 0), seq_len=PROMPT + 3)
+    reference = decode_model(name)
+    expected = forward_steps(reference, StaticCache(config=reference.config, max_cache_len=PROMPT + 3), ids, mask,
+                             (PROMPT, 1, 1, 1))
+    model = decode_model(name)
+    fuselm.patch(model)
+    cache = FusedKVCache(model, 2, PROMPT + 3)
+    if unplanned == "plan(None)":
+        cache.plan(None)
+    elif unplanned == "reset":
+        cache.reset()
+    got = forward_steps(model, cache, ids, mask, (PROMPT, 1, 1, 1))
+    real = mask.bool()
+    assert rel_err(got[real], expected[real]) <= 1e-5
+
+
 @pytest.mark.parametrize("patched", [False, True])
 def test_a_step_past_max_cache_len_raises_and_changes_nothing(patched):
     model = decode_model("llama")
