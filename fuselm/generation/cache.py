@@ -119,19 +119,20 @@ def layer_configs(config: PreTrainedConfig) -> list[PreTrainedConfig]:
 class HostFill:
     """What the host knows of a cache's fill, shared by its layers: positions written per row since ``plan`` or
     ``reset`` (``filled``; None before either), whether the forward now running started on a cache known to be
-    empty (``fresh``), and whether ``starts`` came from an attention mask given to ``plan`` (``masked``)."""
+    empty (``fresh``), whether ``plan`` was called since the cache was made or reset (``planned``), and whether
+    ``starts`` came from an attention mask given to it (``masked``)."""
 
     def __init__(self):
         self.filled: int | None = None
         self.fresh = False
-        self.masked = False
+        self.planned = self.masked = False
 
     def advance(self, num_tokens: int) -> None:
         self.fresh = self.filled == 0
         self.filled = None if self.filled is None else self.filled + num_tokens
 
-    def clear(self, masked: bool = False) -> None:
-        self.filled, self.fresh, self.masked = 0, False, masked
+    def clear(self, planned: bool = False, masked: bool = False) -> None:
+        self.filled, self.fresh, self.planned, self.masked = 0, False, planned, masked
 
     def crop(self, num_tokens: int) -> None:
         self.filled = None if self.filled is None else self.filled - num_tokens
@@ -330,10 +331,10 @@ class FusedKVCache(StaticCache):
         self._host.filled, self._host.fresh = fill
 
     @property
-    def planned_with_mask(self) -> bool:
-        """Whether ``starts`` came from the attention mask last given to :meth:`plan` (its padding is then what each
-        row skips, whatever the forwards' positions)."""
-        return self._host.masked
+    def planned(self) -> bool:
+        """Whether :meth:`plan` was called since the cache was made or reset. Until then fused steps do not know
+        which slots are padding: a forward given an attention mask takes HF's path, which reads it."""
+        return self._host.planned
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
@@ -355,10 +356,11 @@ class FusedKVCache(StaticCache):
     # ------------------------------------------------------------------ plan / run
     def plan(self, attention_mask: Tensor | None = None) -> None:
         """Start a new batch of sequences: ``starts`` = each row's left padding in ``attention_mask`` ([B, S], non-zero
-        (1, True or 1.0) at real tokens, zeros only at the left; None: no padding), ``ends`` = 0. Device work, but for
-        one host read of a mask (that it pads on the left only: ValueError otherwise)."""
+        (1, True or 1.0) at real tokens, zeros only at the left; None: no padding, and fused steps then take each row's
+        start from the forwards' position ids, reading no mask), ``ends`` = 0. Device work, but for one host read of a
+        mask (that it pads on the left only: ValueError otherwise)."""
         if attention_mask is None:
-            self._host.clear()
+            self._host.clear(planned=True)
             self._row_lengths.zero_()
             self._refresh_mirrors()
             return
@@ -381,7 +383,7 @@ class FusedKVCache(StaticCache):
     def _plan_left_padded(self, mask: Tensor) -> None:
         """:meth:`plan` for a [batch_size, S <= max_cache_len] bool mask on the cache's device that its caller has
         found to pad on the left only (fuselm's engine: ``run_or_reason`` read that): no host read."""
-        self._host.clear(masked=True)
+        self._host.clear(planned=True, masked=True)
         left_padding = (mask.cumsum(-1) == 0).sum(-1)  # zeros before the row's first real token
         self._row_lengths.copy_(torch.stack((left_padding, torch.zeros_like(left_padding))))
         self._refresh_mirrors()

@@ -251,7 +251,7 @@ class FusedDecoderLayer:
         KV cache (``decode.py``), else (None, None). Both need a FusedKVCache, eval mode, no attention weights asked
         for, a [B, T, hidden] input with its rotary embedding, and no hook on the attention module (which HF's path
         then calls, hooks and all). "decode": at most DECODE_MAX_TOKENS new tokens, a head_dim that
-        decode_attention supports, and no attention mask unless the cache was planned with one; "prefill": more
+        decode_attention supports, and no attention mask unless the cache was planned (``plan``); "prefill": more
         tokens into an empty cache, in a model whose attention is HF's ``sdpa`` (or fuselm's engine's
         ``CAUSAL_PREFILL``: sdpa with no mask) and does not soft-cap (its SDPA function then attends over the
         cache)."""
@@ -268,9 +268,10 @@ class FusedDecoderLayer:
         if facts is None:
             return None, None
         if hidden_states.shape[1] <= DECODE_MAX_TOKENS:
-            # a mask HF built over a cache not planned with one may mask out padding that the positions do not show
-            # (a forward given no position ids numbers it): HF's path reads the mask
-            masked_unplanned = kwargs.get("attention_mask") is not None and not cache.planned_with_mask
+            # a mask over a cache never planned may mask out padding that the positions do not show (a forward given
+            # no position ids numbers it): HF's path reads the mask. plan() said where the padding is (or that there
+            # is none)
+            masked_unplanned = kwargs.get("attention_mask") is not None and not cache.planned
             return ("decode", facts) if facts.head_dim in HEAD_DIMS and not masked_unplanned else (None, None)
         implementation = getattr(getattr(self.self_attn, "config", None), "_attn_implementation", None)
         if (implementation in ("sdpa", CAUSAL_PREFILL) and facts.softcap is None

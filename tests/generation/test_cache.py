@@ -409,9 +409,12 @@ def forward_steps(model, cache, ids, mask, chunks):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_patched_decode_steps_attend_over_the_planned_mask_whatever_the_positions(name):
-    """A planned left-padded batch, decoded by hand with no position ids: the fused decode steps attend over each row's
-    real tokens as HF's masks do (they took the rows' starts from the positions, attending over the padding)."""
+@pytest.mark.parametrize("prepared", ["plan(mask)", "never", "reset"])
+def test_patched_forwards_attend_over_the_masks_rows_whatever_the_positions(name, prepared):
+    """A left-padded batch decoded by hand with no position ids (HF's default numbers the padding): the forwards
+    attend over each row's real tokens as HF's masks do, as with a StaticCache. A cache planned with the mask decodes
+    fused from its starts; one never planned (made, or reset) takes HF's path wherever a mask is given (the fused
+    steps took each row's start from its positions, attending over the padding)."""
     ids, mask = left_padded_batch(pads=(4, 0), seq_len=PROMPT + 3)
     reference = decode_model(name)
     expected = forward_steps(reference, StaticCache(config=reference.config, max_cache_len=PROMPT + 3), ids, mask,
@@ -419,33 +422,16 @@ def test_patched_decode_steps_attend_over_the_planned_mask_whatever_the_position
     model = decode_model(name)
     fuselm.patch(model)
     cache = FusedKVCache(model, 2, PROMPT + 3)
-    cache.plan(mask)
-    got = forward_steps(model, cache, ids, mask, (PROMPT, 1, 1, 1))
-    real = mask.bool()
-    assert rel_err(got[real], expected[real]) <= 1e-5
-    assert cache.lengths()[0].tolist() == [4, 0]
-
-
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-@pytest.mark.parametrize("unplanned", ["never", "plan(None)", "reset"])
-def test_patched_forwards_over_an_unplanned_cache_honour_a_padded_mask(name, unplanned):
-    """A left-padded batch run by hand over a cache not planned with its mask, with no position ids (HF numbers the
-    padding): HF's masks, not the default positions, say what each row attends over, as with a StaticCache (the
-    fused steps took each row's start from its positions, attending over the padding)."""
-    ids, mask = left_padded_batch(pads=(4, 0), seq_len=PROMPT + 3)
-    reference = decode_model(name)
-    expected = forward_steps(reference, StaticCache(config=reference.config, max_cache_len=PROMPT + 3), ids, mask,
-                             (PROMPT, 1, 1, 1))
-    model = decode_model(name)
-    fuselm.patch(model)
-    cache = FusedKVCache(model, 2, PROMPT + 3)
-    if unplanned == "plan(None)":
-        cache.plan(None)
-    elif unplanned == "reset":
+    if prepared == "plan(mask)":
+        cache.plan(mask)
+    elif prepared == "reset":
+        cache.plan(mask)
         cache.reset()
     got = forward_steps(model, cache, ids, mask, (PROMPT, 1, 1, 1))
     real = mask.bool()
     assert rel_err(got[real], expected[real]) <= 1e-5
+    if prepared == "plan(mask)":
+        assert cache.lengths()[0].tolist() == [4, 0]
 
 
 @pytest.mark.parametrize("patched", [False, True])
