@@ -240,15 +240,13 @@ class DecodeEngine:
             streamer.put(input_ids.cpu())
         bucket = self._bucket(batch, prompt_len + options.max_new_tokens)
         state, cache = bucket.state, bucket.cache
-        ids, mask = _padded(input_ids.to(cache.device), attention_mask, state.tokens.shape[0])
+        ids, mask = _padded(input_ids.to(cache.device), attention_mask, state.tokens.shape[0])  # mask there too
         state.start(options, ids, mask, batch)
         if mask is None:
             cache.plan(None)
-        else:  # run_or_reason found it left-padded; plan would read that from the device again
-            cache._plan_left_padded(mask.to(cache.device) != 0)
-        if mask is None:
             positions = bucket.positions[:prompt_len].expand(ids.shape[0], -1)
-        else:
+        else:  # run_or_reason found it left-padded; plan would read that from the device again
+            cache._plan_left_padded(mask != 0)
             positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         logits = self._prefill(bucket, ids, positions, mask)
         state.positions.copy_(positions[:, -1:] + 1)
