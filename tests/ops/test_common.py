@@ -227,10 +227,9 @@ def test_a_shipped_tuning_table_entry_is_used_on_its_gpu():
     """On a GPU with a shipped table, an op whose key the table holds launches the table's config untimed."""
     device = torch.device("cuda", torch.cuda.current_device())
     table = _common._tuning_table(_common.device_name(device))
-    # x, weight, bias (the weight stands in), residual, out in bf16, the split-K partials fp32, the tickets int32,
-    # then the norm weight (the weight stands in) and its scaled operand (out stands in) in bf16
-    entry = ("_linear_residual_kernel", json.dumps([16, 4096, 4096] + ["torch.bfloat16"] * 5
-                                                   + ["torch.float32", "torch.int32"] + ["torch.bfloat16"] * 2))
+    # x, weight, bias (the weight stands in), residual, out in bf16, the split-K partials fp32, the tickets int32
+    entry = ("_linear_residual_kernel",
+             json.dumps([16, 4096, 4096] + ["torch.bfloat16"] * 5 + ["torch.float32", "torch.int32"]))
     if entry not in table:
         pytest.skip(f"no shipped table entry for {entry} on {_common.device_name(device)}")
     x, residual = (randn(1, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(2))

@@ -118,17 +118,15 @@ def test_linear_residual_keeps_autograd():
 
 # ----------------------------------------------------------------------------------- norm_gated_linear
 def _check_norm_gated(n_rows, dtype, activation="silu", packed=False, norm="llama", contiguous=True, n_inner=40,
-                      n_out=24, scaled=False):
-    """``scaled``: pass x * (norm weight + offset) as scaled_x, as linear_residual_with_norm_operand stores it."""
+                      n_out=24):
     x = _rows_input(n_rows, n_inner, dtype, contiguous)
     norm_weight = None if norm is None else 1 + 0.1 * randn(n_inner, dtype=dtype)
     casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
     gate_up = randn(2 * n_out, n_inner, dtype=dtype, scale=0.3)
     weights = (gate_up, None) if packed else (gate_up[:n_out].clone(), gate_up[n_out:].clone())
-    scaled_x = (x.float() * (norm_weight.float() + offset)).to(dtype) if scaled else None
     with torch.no_grad():
         out = fuselm.norm_gated_linear(x, norm_weight, 1e-5, *weights, activation=activation, casting=casting,
-                                       offset=offset, scaled_x=scaled_x)
+                                       offset=offset)
     expected = norm_gated_linear_reference(x.double(), _double(norm_weight), 1e-5, *map(_double, weights), activation,
                                            casting, offset)
     assert out.dtype == dtype and out.shape == (n_rows, n_out)
@@ -185,60 +183,6 @@ def test_norm_in_prologue_and_norm_first_agree(monkeypatch, case):
 
 
 # ----------------------------------------------------------------------------------- qkv_rope
-# ----------------------------------------------------------------------------------- the norm operand from its writer
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("n_rows", [1, 3, 17, 33])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm", ["llama", "gemma"])
-def test_norm_operand_from_its_writer(monkeypatch, path, n_rows, dtype, norm):
-    """linear_residual_with_norm_operand's out is linear_residual's. Where the gate/up kernel runs the norm in its
-    prologue (Triton, M <= 32, not fp16) its scaled is out * (norm weight + offset) rounded once, and
-    norm_gated_linear reading it gives the bits it gives without it; elsewhere scaled is None."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", True)
-    n_inner, n_out, n_gated = 40, 37, 24
-    casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
-    x, residual = _rows_input(n_rows, n_inner, dtype), randn(n_rows, n_out, dtype=dtype)
-    weight, bias = randn(n_out, n_inner, dtype=dtype, scale=0.2), randn(n_out, dtype=dtype)
-    norm_weight = 1 + 0.1 * randn(n_out)  # fp32, as a norm's weight may be
-    gate, up = randn(n_gated, n_out, dtype=dtype, scale=0.3), randn(n_gated, n_out, dtype=dtype, scale=0.3)
-    with torch.no_grad():
-        out, scaled = decode_linear.linear_residual_with_norm_operand(x, weight, residual, bias, norm_weight,
-                                                                      offset=offset)
-        assert torch.equal(out, fuselm.linear_residual(x, weight, residual, bias))
-        assert (scaled is not None) == (path == "triton" and n_rows <= 32 and dtype != torch.float16)
-        if scaled is None:
-            return
-        assert torch.equal(scaled, (out.float() * (norm_weight + offset)).to(dtype))
-        plain = fuselm.norm_gated_linear(out, norm_weight, 1e-5, gate, up, casting=casting, offset=offset)
-        fed = fuselm.norm_gated_linear(out, norm_weight, 1e-5, gate, up, casting=casting, offset=offset,
-                                       scaled_x=scaled)
-    assert torch.equal(fed, plain)
-    expected = norm_gated_linear_reference(out.double(), norm_weight.double(), 1e-5, gate.double(), up.double(),
-                                           "silu", casting, offset)
-    assert_close(fed, expected, dtype)
-
-
-@pytest.mark.parametrize("config", SPLIT_K_CONFIGS)
-def test_norm_operand_under_split_k(monkeypatch, config):
-    """The split-K configs' last program per column block stores the operand of the outputs it writes."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", True)
-    torch.manual_seed(config)
-    x, weight, residual, norm_weight = randn(3, 1100), randn(24, 1100, scale=0.1), randn(3, 24), 1 + randn(24)
-    with fuselm.use_backend("triton"), forced_config(decode_linear._linear_residual_kernel, config), torch.no_grad():
-        out, scaled = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, norm_weight)
-        assert torch.equal(out, fuselm.linear_residual(x, weight, residual))
-    assert torch.equal(scaled, out * norm_weight)
-
-
-def test_norm_operand_switch(monkeypatch):
-    """NORM_OPERAND_FROM_WRITER off (FUSELM_NORM_OPERAND unset or not 1): no operand, out unchanged."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", False)
-    x, weight, residual = randn(3, 40), randn(24, 40), randn(3, 24)
-    with fuselm.use_backend("triton"), torch.no_grad():
-        out, scaled = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, randn(24))
-        assert scaled is None and torch.equal(out, fuselm.linear_residual(x, weight, residual))
-
-
 def _qkv_inputs(batch, seq_len, dtype, num_heads=3, num_kv_heads=1, head_dim=16, rotary_dim=None, packed=False,
                 bias=False, head_norm=False, casting="llama", shared_positions=False, cos_batch=1, cache_len=None,
                 strided=False, hidden=40, outside=False):
@@ -366,7 +310,6 @@ def test_whole_tiles_load_without_masks(kernel, config):
             _check_linear_residual(3, torch.float32, True, n_inner=1024, n_out=128)
         elif kernel is decode_linear._norm_gated_kernel:
             _check_norm_gated(3, torch.float32, n_inner=256, n_out=128)
-            _check_norm_gated(3, torch.float32, n_inner=256, n_out=128, scaled=True)
         else:
             _check_qkv(3, 1, torch.float32, num_heads=2, head_dim=128, hidden=1024)
 
@@ -454,16 +397,6 @@ def test_projection_bad_input():
         fuselm.norm_gated_linear(x, randn(40), "1e-6", w, w)
     with pytest.raises(ValueError, match="offset"):
         fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, offset=float("nan"))
-    with pytest.raises(ValueError, match="scaled_x"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, scaled_x=randn(3, 39))
-    with pytest.raises(ValueError, match="scaled_x"):
-        fuselm.norm_gated_linear(x, None, 1e-6, w, w, scaled_x=randn(3, 40))
-    with pytest.raises(TypeError, match="scaled_x"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, scaled_x=randn(3, 40).half())
-    with pytest.raises(ValueError, match="norm_weight"):
-        decode_linear.linear_residual_with_norm_operand(x, w, randn(3, 24), None, randn(23))
-    with pytest.raises(ValueError, match="offset"):
-        decode_linear.linear_residual_with_norm_operand(x, w, randn(3, 24), None, randn(24), offset=float("inf"))
 
 
 def test_qkv_epilogue_refuses_q_rows_of_neither_kind():
