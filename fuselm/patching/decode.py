@@ -34,7 +34,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fuselm.ops.attention import decode_attention
-from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
+from fuselm.ops.decode_linear import (
+    NormOperand,
+    linear_residual,
+    linear_residual_with_norm_operand,
+    norm_gated_linear,
+    qkv_rope,
+)
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rope import rope
 from fuselm.patching.families import AttentionFacts, attention_facts, family_of
@@ -169,9 +175,22 @@ def _project(module: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
     return out if residual is None else residual + out
 
 
-def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None) -> Tensor | None:
+def _project_before_norm(module: nn.Module, x: Tensor, residual: Tensor,
+                         norm: nn.Module) -> tuple[Tensor, NormOperand | None]:
+    """(:func:`_project`'s ``residual + module(x)``, the operand of the fused gate/up kernel that norms it next with
+    ``norm``, stored by the same kernel; None where that kernel does not read one)."""
+    weights, norm_args = plain_linear(module), _norm_args(norm)
+    if weights is None or norm_args is None or weights[0].dtype != x.dtype:
+        return _project(module, x, residual), None
+    (weight, bias), (norm_weight, _, _, offset) = weights, norm_args
+    return linear_residual_with_norm_operand(x, weight, residual, bias, norm_weight, offset=offset)
+
+
+def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None,
+                norm_operand: NormOperand | None = None) -> Tensor | None:
     """act(gate(norm(x))) * up(norm(x)) for the MLP's down projection (norm None: x is already normed), or None
-    when the gate/up projections are not plain linears (then the caller runs the MLP module)."""
+    when the gate/up projections are not plain linears (then the caller runs the MLP module). ``norm_operand``:
+    the norm's, from :func:`_project_before_norm`."""
     mlp = layer.mlp
     spec = mlp._fuselm_mlp if isinstance(mlp, FusedGatedMLP) and not hooked(mlp) else None
     if spec is None:
@@ -185,7 +204,8 @@ def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None) -> Tensor |
     norm_weight, eps, casting, offset = norm_args if norm_args is not None else (None, 0.0, "llama", 0.0)
     up_weight = weights[1][0] if len(weights) == 2 else None
     return norm_gated_linear(x, norm_weight, eps, weights[0][0], up_weight, activation=spec.activation,
-                             casting=casting, offset=offset)
+                             casting=casting, offset=offset,
+                             norm_operand=norm_operand if norm_weight is not None else None)
 
 
 def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
@@ -212,8 +232,9 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
         return residual + layer.post_feedforward_layernorm(out)
-    residual = _project(getattr(attention, facts.output), attended, hidden)
-    gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm)
+    residual, norm_operand = _project_before_norm(getattr(attention, facts.output), attended, hidden,
+                                                  layer.post_attention_layernorm)
+    gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm, norm_operand)
     if gated is None:
         return residual + mlp(layer.post_attention_layernorm(residual))
     return _project(getattr(mlp, mlp._fuselm_mlp.output), gated, residual)

@@ -364,3 +364,30 @@ def test_layer_step_replays_in_a_cuda_graph(name):
             for got, expected in zip(replayed_cache, cache.buffers(0)):
                 assert torch.equal(got, expected)
     fuselm.unpatch(model)
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])  # separate and packed gate/up weights
+def test_norm_operand_from_the_o_projection(monkeypatch, name):
+    """With NORM_OPERAND_FROM_WRITER on, the o projection's kernel stores the post-attention norm's operand and its
+    squares, and the gate/up kernel reads them: every decode step's tokens equal those with it off, and its logits
+    too within fp32 rounding (the rstd's squares are summed in another order; Triton path)."""
+    from fuselm.ops import decode_linear
+
+    model = decode_model(name)
+    ids, mask = left_padded(9)
+    fuselm.patch(model)
+    try:
+        runs = []
+        for on in (False, True):
+            monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", on)
+            with (fuselm.use_backend("triton"),
+                  mock.patch.object(decode_linear, "LINEAR_RESIDUAL_NORM_OPERAND",
+                                    wraps=decode_linear.LINEAR_RESIDUAL_NORM_OPERAND) as writer):
+                runs.append(generate(model, ids, mask, new_cache(model, mask)))
+            assert writer.call_count == (model.config.num_hidden_layers * NEW if on else 0)
+    finally:
+        fuselm.unpatch(model)
+    (off_tokens, off_logits), (on_tokens, on_logits) = runs
+    assert torch.equal(on_tokens, off_tokens)
+    for got, expected in zip(on_logits, off_logits, strict=True):
+        assert rel_err(got, expected) <= 1e-6
