@@ -117,7 +117,8 @@ if [ -n "${FUSELM_AB:-}" ]; then  # the layer step under each environment settin
   # e.g. FUSELM_AB="FUSELM_DEPENDENT_MAX_ROWS=8 FUSELM_DEPENDENT_MAX_ROWS=32 FUSELM_DEPENDENT_MAX_ROWS=8,qkv_rope=32"
   # (a limit for every op, then one op's: fuselm/ops/_common.py); FUSELM_AB_LAYER_ARGS go to decode_bench.py (e.g.
   # "--layer-shapes 32x1024": that shape alone, a third of the time); with FUSELM_AB_GENERATE=1 also
-  # fuselm.generate at B = 1 and 32 (e2e.py), each setting in its own process
+  # fuselm.generate at B = 1 and 32 (e2e.py; FUSELM_AB_GENERATE_ARGS go to it, e.g. "--batches 32"), each setting in
+  # its own process
   for run in 1 2; do
     for setting in $FUSELM_AB; do
       tag=$(echo "$setting" | tr -c 'A-Za-z0-9_\n' '-' | tr 'A-Z' 'a-z')
@@ -126,7 +127,7 @@ if [ -n "${FUSELM_AB:-}" ]; then  # the layer step under each environment settin
         --out "$out/ab-layer-$tag-$run-h200.json" 2>&1 | tee "$out/ab-layer-$tag-$run.log" | tail -n 4
       if [ "${FUSELM_AB_GENERATE:-0}" = 1 ]; then
         env "$setting" python3 benchmarks/e2e.py --no-train --impls fuselm.generate --prefills --prefill-idle-s 0 \
-          --out "$out/ab-generate-$tag-$run-h200.json" 2>&1 | tee "$out/ab-generate-$tag-$run.log" | grep "generate"
+          ${FUSELM_AB_GENERATE_ARGS:-} --out "$out/ab-generate-$tag-$run-h200.json" 2>&1 | tee "$out/ab-generate-$tag-$run.log" | grep "generate"
       fi
     done
   done
