@@ -294,6 +294,16 @@ class FusedKVCache(StaticCache):
             for tensor in (self._row_lengths, *(t for layer in layers for t in (layer.keys, layer.values))):
                 torch._dynamo.mark_static_address(tensor)
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling: pickle copies each tensor apart (deepcopy and torch.save keep views), so the lengths are made
+        views of ``_row_lengths`` (and of the other devices' copies) again, and every layer reads its device's."""
+        self.__dict__.update(state)
+        self._starts, self._ends = self._row_lengths.unbind(0)
+        mirrored = {device: tuple(mirror.unbind(0)) for device, mirror in self._mirrors.items()}
+        self._layer_lengths = [mirrored.get(layer.keys.device, (self._starts, self._ends)) for layer in self.layers]
+        for layer, (_, ends) in zip(self.layers, self._layer_lengths, strict=True):
+            layer._ends = ends
+
     # ------------------------------------------------------------------ fused kernels' view
     def buffers(self, layer_idx: int) -> tuple[Tensor, Tensor]:
         """(keys, values) of one layer, each [B, Hkv, max_cache_len, D], written in place by fused kernels."""

@@ -2,7 +2,10 @@
 sliding window, more new tokens than prompt), the device lengths follow the mask at every step, the buffers hold
 StaticCache's states, storage is reused, a patched model agrees, and bad arguments are named."""
 
+import copy
 import inspect
+import io
+import pickle
 from contextlib import nullcontext
 from unittest import mock
 
@@ -171,6 +174,34 @@ def test_reset_and_plan_reuse_the_storage_across_calls():
     assert torch.equal(tokens, expected)
     assert_lengths_follow_the_mask(seen, other_mask)
     assert pointers() == storage
+
+
+def _pickled(cache):
+    return pickle.loads(pickle.dumps(cache))
+
+
+def _saved(cache):
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copier", [_pickled, copy.deepcopy, _saved], ids=["pickle", "deepcopy", "torch.save"])
+def test_a_copied_cache_plans_and_generates_on_its_own(copier):
+    """A used cache copied (pickle copies each tensor apart, views included) plans and generates HF's tokens: its
+    layers read the copy's lengths, and the original is left as it was."""
+    model = family_model("llama")
+    ids, mask = left_padded_batch()
+    cache = FusedKVCache(model, len(PADS), PROMPT + NEW)
+    generate_with_fused_cache(model, ids, mask, cache)
+    before = [t.clone() for t in (*all_buffers(cache), *cache.lengths())]
+    copied = copier(cache)
+    other_ids, other_mask = left_padded_batch(pads=(0, 3, 2))
+    tokens, _, seen = generate_with_fused_cache(model, other_ids, other_mask, copied)
+    assert torch.equal(tokens, greedy(model, other_ids, other_mask))
+    assert_lengths_follow_the_mask(seen, other_mask)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*all_buffers(cache), *cache.lengths()), strict=True))
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.int32, torch.float32])
