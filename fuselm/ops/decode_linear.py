@@ -212,8 +212,8 @@ def _stored_operand_tile(x_ptr, squares_ptr, rows, row_ok, start, stride_xm, str
     mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (cols[None, :] < n_inner)
     operand = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     groups = start // _SQUARES_GROUP + tl.arange(0, BLOCK_K // _SQUARES_GROUP)
-    partials = tl.load(squares_ptr + rows[:, None] * stride_qm + groups[None, :],
-                       mask=row_ok[:, None] & (groups[None, :] * _SQUARES_GROUP < n_inner), other=0.0)
+    group_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (groups[None, :] * _SQUARES_GROUP < n_inner)
+    partials = tl.load(squares_ptr + rows[:, None] * stride_qm + groups[None, :], mask=group_ok, other=0.0)
     return operand, sum_of_squares + tl.sum(partials, axis=1)
 
 
