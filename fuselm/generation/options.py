@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -126,6 +127,17 @@ def _call_config(base: GenerationConfig, generation_config: GenerationConfig | N
     return config, model_inputs
 
 
+def _float_length_reason(config: GenerationConfig) -> str | None:
+    """Why a call whose length is a float (``max_new_tokens=5.5``) goes to HF: its generate takes one, as its
+    stopping criteria compare it with the sequence length; fuselm's loop counts whole tokens. Any other type that is
+    no integer stays :func:`_integer`'s TypeError."""
+    for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+            return f"{name}={value!r} is no integer"
+    return None
+
+
 def _max_new_tokens(model: torch.nn.Module, config: GenerationConfig, prompt_length: int,
                     default_max_length: bool) -> int:
     """New tokens at most, as HF's ``_prepare_generated_length`` counts them: ``max_new_tokens``; else up to
@@ -213,6 +225,9 @@ def read_options(model: torch.nn.Module, prompt_length: int, generation_config: 
     if config.use_cache is False:
         return "use_cache=False"
 
+    reason = _float_length_reason(config)
+    if reason is not None:
+        return reason
     # HF's "default max_length": set by neither the call, its generation_config nor the model's
     default_max_length = (kwargs.get("max_length") is None and base.max_length is None
                           and (generation_config is None or generation_config.max_length is None))

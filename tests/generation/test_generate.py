@@ -428,7 +428,8 @@ def test_an_int32_prompt_gives_int64_sequences():
 
 def test_integer_arguments_of_any_integer_type():
     """numpy integers and one-element integer tensors for lengths and token ids, as HF takes them; sampling options
-    of a greedy call are not read (HF ignores them); a length that is no integer is a TypeError naming it."""
+    of a greedy call are not read (HF ignores them); a length that is neither an integer nor a float (which goes to
+    HF: test_a_float_length_goes_to_hf) is a TypeError naming it."""
     model = decode_model("llama")
     ids, mask = left_padded()
     eos = eos_inside(model, ids, mask)
@@ -441,7 +442,25 @@ def test_integer_arguments_of_any_integer_type():
         assert torch.equal(fused_generate(model, ids, mask, **asked), expected), asked
     for name in ("max_new_tokens", "max_length", "min_new_tokens"):
         with pytest.raises(TypeError, match=name):
-            fuselm.generate(model, ids, attention_mask=mask, **{name: float(PROMPT + 2)})
+            fuselm.generate(model, ids, attention_mask=mask, **{name: torch.tensor(PROMPT + 2.0)})
+
+
+@pytest.mark.parametrize("asked", [dict(max_new_tokens=4.5), dict(max_new_tokens=5.0), dict(max_length=PROMPT + 4.0),
+                                   dict(max_new_tokens=6, min_new_tokens=np.float64(3.0))],
+                         ids=["max_new_tokens-4.5", "max_new_tokens-5.0", "max_length", "min_new_tokens"])
+def test_a_float_length_goes_to_hf(asked):
+    """HF's generate takes a float length (its stopping criteria compare it with the sequence length: 4.5 new tokens
+    make 5); fuselm.generate hands such a call to HF with the warning naming it, a patched model's generate too
+    (silently, as its other fallbacks)."""
+    model = decode_model("llama")
+    ids, mask = left_padded()
+    asked = dict(do_sample=False, **asked)
+    expected = hf_generate(model, ids, mask, **asked)
+    name = next(k for k, value in asked.items() if isinstance(value, float))
+    with pytest.warns(UserWarning, match=f"{name}=.* is no integer"):
+        assert torch.equal(fuselm.generate(model, ids, attention_mask=mask, **asked), expected)
+    with fuselm.patched(model), mock.patch.object(engine_module.DecodeEngine, "run", side_effect=AssertionError):
+        assert torch.equal(hf_generate(model, ids, mask, **asked), expected)
 
 
 def test_a_negative_eos_id_goes_to_hf():
