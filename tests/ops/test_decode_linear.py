@@ -6,6 +6,7 @@ path. x rows have different RMS, so each row's rstd is checked. Outputs and the 
 keeps NaN everywhere except at the positions each row writes."""
 
 import contextlib
+import json
 from unittest import mock
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 import fuselm
 from fuselm.ops import decode_linear
-from fuselm.ops._common import counters, forced_config
+from fuselm.ops._common import TUNING_DIR, _key_text, counters, forced_config, launch_key
 from fuselm.ops.decode_linear import linear_residual_reference, norm_gated_linear_reference, qkv_rope_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_close
@@ -251,6 +252,45 @@ def test_norm_operand_switch(monkeypatch):
     with fuselm.use_backend("triton"), torch.no_grad():
         out, norm_operand = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, randn(24))
         assert norm_operand is None and torch.equal(out, fuselm.linear_residual(x, weight, residual))
+
+
+# ----------------------------------------------------------------------------------- shipped tuning tables
+class _LaunchRecorder:
+    """Stands in for tuned kernel ``name``: ``kernel[grid](*args, **kwargs)`` records the launch's key as triton's
+    autotuner files it (launch_key)."""
+
+    def __init__(self, name):
+        self.name, self.tuner, self.keys = name, getattr(decode_linear, name), []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            key = launch_key(self.tuner, frozenset(self.tuner.arg_names), args, kwargs)
+            self.keys.append((self.name, _key_text(key)))
+        return launch
+
+
+@pytest.mark.parametrize("table", ["nvidia-h200.json", "nvidia-h100-80gb-hbm3.json"])
+@pytest.mark.parametrize("n_rows", [1, 32])
+def test_decode_projection_launches_key_into_the_shipped_tables(monkeypatch, table, n_rows):
+    """The o, down and gate/up launches of a Llama-3-8B decode step (bf16) file keys the GPU's shipped table holds
+    (launch_key, as triton's autotuner builds them), o's with the norm operand too: a launcher that adds or reorders a
+    tensor argument without migrating the tables fails here, not on the GPU as run-time tuning (session 37)."""
+    picks = {(p["kernel"], json.dumps(p["key"])) for p in json.loads((TUNING_DIR / table).read_text())["picks"]}
+    recorders = [_LaunchRecorder("_linear_residual_kernel"), _LaunchRecorder("_norm_gated_kernel")]
+    for recorder in recorders:
+        monkeypatch.setattr(decode_linear, recorder.name, recorder)
+    monkeypatch.setattr(decode_linear, "dependent_launch", lambda *args, **kwargs: {})
+    hidden, intermediate, bf16 = 4096, 14336, torch.bfloat16
+    x, residual, norm_weight = (torch.empty(*shape, dtype=bf16) for shape in ((n_rows, hidden),) * 2 + ((hidden,),))
+    o_weight, up_weight = torch.empty(hidden, hidden, dtype=bf16), torch.empty(intermediate, hidden, dtype=bf16)
+    decode_linear._linear_residual_impl(x, o_weight, residual, None)
+    decode_linear._linear_residual_norm_operand_impl(x, o_weight, residual, None, norm_weight, 0.0)
+    decode_linear._linear_residual_impl(torch.empty(n_rows, intermediate, dtype=bf16),
+                                        torch.empty(hidden, intermediate, dtype=bf16), residual, None)  # down
+    decode_linear._norm_gated_linear_impl(x, norm_weight, 1e-5, up_weight, up_weight, "silu", 0.0)
+    launched = [key for recorder in recorders for key in recorder.keys]
+    assert len(launched) == 4
+    assert [key for key in launched if key not in picks] == []
 
 
 # ----------------------------------------------------------------------------------- qkv_rope
