@@ -29,6 +29,7 @@ copy into the cache.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -186,18 +187,28 @@ def _project_before_norm(module: nn.Module, x: Tensor, residual: Tensor,
     return linear_residual_with_norm_operand(x, weight, residual, bias, norm_weight, offset=offset)
 
 
-def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None,
-                norm_operand: NormOperand | None = None) -> Tensor | None:
-    """act(gate(norm(x))) * up(norm(x)) for the MLP's down projection (norm None: x is already normed), or None
-    when the gate/up projections are not plain linears (then the caller runs the MLP module). ``norm_operand``:
-    the norm's, from :func:`_project_before_norm`."""
+def _gate_up(layer: nn.Module, dtype: torch.dtype) -> tuple[object, list[tuple[Tensor, None]]] | None:
+    """(the MLP's fusion spec, its gate/up (weight, None) pairs) when the fused gate/up kernel can run them on
+    ``dtype`` inputs (plain linears without bias, no hook on the MLP), else None."""
     mlp = layer.mlp
     spec = mlp._fuselm_mlp if isinstance(mlp, FusedGatedMLP) and not hooked(mlp) else None
     if spec is None:
         return None
     weights = [plain_linear(getattr(mlp, name)) for name in spec.inputs]
-    if None in weights or any(w.dtype != x.dtype or b is not None for w, b in weights):
+    if None in weights or any(w.dtype != dtype or b is not None for w, b in weights):
         return None
+    return spec, weights
+
+
+def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None,
+                norm_operand: NormOperand | None = None) -> Tensor | None:
+    """act(gate(norm(x))) * up(norm(x)) for the MLP's down projection (norm None: x is already normed), or None
+    when the gate/up projections are not plain linears (then the caller runs the MLP module). ``norm_operand``:
+    the norm's, from :func:`_project_before_norm`."""
+    gate_up = _gate_up(layer, x.dtype)
+    if gate_up is None:
+        return None
+    spec, weights = gate_up
     norm_args = None if norm is None else _norm_args(norm)
     if norm is not None and norm_args is None:
         x, norm = norm(x), None
@@ -232,8 +243,11 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
         return residual + layer.post_feedforward_layernorm(out)
-    residual, norm_operand = _project_before_norm(getattr(attention, facts.output), attended, hidden,
-                                                  layer.post_attention_layernorm)
+    if _gate_up(layer, hidden.dtype) is not None:  # the fused gate/up kernel will read the norm's operand
+        residual, norm_operand = _project_before_norm(getattr(attention, facts.output), attended, hidden,
+                                                      layer.post_attention_layernorm)
+    else:
+        residual, norm_operand = _project(getattr(attention, facts.output), attended, hidden), None
     gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm, norm_operand)
     if gated is None:
         return residual + mlp(layer.post_attention_layernorm(residual))

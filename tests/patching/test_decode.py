@@ -391,3 +391,27 @@ def test_norm_operand_from_the_o_projection(monkeypatch, name):
     assert torch.equal(on_tokens, off_tokens)
     for got, expected in zip(on_logits, off_logits, strict=True):
         assert rel_err(got, expected) <= 1e-6
+
+
+def test_no_norm_operand_is_stored_for_an_mlp_that_runs_as_modules(monkeypatch):
+    """An adapter on gate_proj: the MLP runs as PEFT's modules, which read no stored operand, so the o projection
+    stores none (its plain fused kernel runs) and the tokens equal those with the operand off."""
+    from fuselm.ops import decode_linear
+
+    model = lora_model(["gate_proj"])
+    ids, mask = left_padded(9)
+    fuselm.patch(model)
+    try:
+        runs = []
+        for on in (False, True):
+            monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", on)
+            with (fuselm.use_backend("triton"),
+                  mock.patch.object(decode_linear, "LINEAR_RESIDUAL_NORM_OPERAND",
+                                    wraps=decode_linear.LINEAR_RESIDUAL_NORM_OPERAND) as writer,
+                  mock.patch.object(decode, "linear_residual", wraps=decode.linear_residual) as plain):
+                runs.append(generate(model, ids, mask, new_cache(model, mask))[0])
+            assert writer.call_count == 0
+            assert plain.call_count >= model.config.num_hidden_layers * NEW  # o (down runs fused too)
+    finally:
+        fuselm.unpatch(model)
+    assert torch.equal(runs[0], runs[1])
