@@ -87,9 +87,6 @@ def _fused_norm_variants(fused: Callable[[dict, str], object]) -> dict[str, Call
             "fused, x normed elsewhere (kernel alone)": lambda s: fused(s, "none")}
 
 
-STORED_OPERAND = "fused, operand and squares stored"
-
-
 def _norm_operand(s: dict, norm: str) -> tuple:
     """(x, norm weight) for a streaming op: as given (``norm`` "prologue": in its prologue), fuselm.rms_norm(x)
     and None ("first"), or x and None ("none": no norm anywhere)."""
@@ -145,38 +142,27 @@ def gate_up_projection(shapes: Shapes, m: int) -> Projection:
     n, k = shapes.intermediate, shapes.hidden
 
     def make_set():
-        x, norm = randn(m, k), 1 + randn(k, scale=0.1)
-        groups = triton.cdiv(k, decode_linear.SQUARES_GROUP)  # the operand and squares o's kernel would store
-        squares = F.pad(x.float() ** 2, (0, groups * decode_linear.SQUARES_GROUP - k)).view(m, groups, -1).sum(-1)
-        return {"x": x, "norm": norm, "gate": randn(n, k, scale=0.02), "up": randn(n, k, scale=0.02),
-                "scaled": (x.float() * norm.float()).to(x.dtype), "squares": squares}
+        return {"x": randn(m, k), "norm": 1 + randn(k, scale=0.1), "gate": randn(n, k, scale=0.02),
+                "up": randn(n, k, scale=0.02)}
 
     def fused(s, norm):
         return decode_linear.NORM_GATED_LINEAR(*_norm_operand(s, norm), 1e-5, s["gate"], s["up"], "silu", 0.0)
-
-    def stored(s):  # the operand and squares read from memory (FUSELM_NORM_OPERAND=1), as o's kernel stores them
-        return decode_linear.NORM_GATED_LINEAR(s["scaled"], s["norm"], 1e-5, s["gate"], s["up"], "silu", 0.0,
-                                               s["squares"])
 
     def separate(s):  # fuselm.rms_norm, two cuBLAS GEMMs, fuselm.silu_mul
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
         return fuselm.silu_mul(F.linear(h, s["gate"]), F.linear(h, s["up"]))
 
     return Projection(f"norm_gated_linear {k}->2x{n}", m, make_set,
-                      {**_fused_norm_variants(fused), STORED_OPERAND: stored,
-                       "cuBLAS + fuselm rms_norm/silu_mul": separate},
+                      {**_fused_norm_variants(fused), "cuBLAS + fuselm rms_norm/silu_mul": separate},
                       2 * n * k * 2, m * k * 2 + k * 2 + m * n * 2)
 
 
 def residual_projection(label: str, n_in: int, n_out: int, m: int) -> Projection:
     def make_set():
-        return {"x": randn(m, n_in), "weight": randn(n_out, n_in, scale=0.02), "residual": randn(m, n_out),
-                "norm": 1 + randn(n_out, scale=0.1)}
+        return {"x": randn(m, n_in), "weight": randn(n_out, n_in, scale=0.02), "residual": randn(m, n_out)}
 
     return Projection(f"linear_residual {label} {n_in}->{n_out}", m, make_set, {
         "fused streaming kernel": lambda s: decode_linear.LINEAR_RESIDUAL(s["x"], s["weight"], s["residual"], None),
-        "fused, storing the next norm's operand": lambda s: decode_linear.LINEAR_RESIDUAL_NORM_OPERAND(
-            s["x"], s["weight"], s["residual"], None, s["norm"], 0.0),
         "fuselm.linear_residual (dispatch)": lambda s: fuselm.linear_residual(s["x"], s["weight"], s["residual"]),
         "cuBLAS addmm(residual, x, W.T)": lambda s: torch.addmm(s["residual"], s["x"], s["weight"].t()),
         "cuBLAS + add": lambda s: s["residual"] + F.linear(s["x"], s["weight"]),

@@ -26,15 +26,7 @@ import time
 
 import torch
 import triton
-from decode_linear_bench import (
-    LLAMA3_8B,
-    ROWS,
-    STORED_OPERAND,
-    gate_up_projection,
-    input_sets,
-    qkv_projection,
-    residual_projection,
-)
+from decode_linear_bench import LLAMA3_8B, ROWS, gate_up_projection, input_sets, qkv_projection, residual_projection
 from timing import ClockSampler, captured, median_ms
 
 import fuselm
@@ -50,8 +42,6 @@ def cases(m: int) -> list[tuple[object, object, str]]:
               for as_generate in (False, True)]  # the benchmarks' key, and the one fuselm.generate's launches file
     chosen += [(decode_linear._norm_gated_kernel, gate_up,
                norm_in_prologue[m <= decode_linear.GATED_PROLOGUE_NORM_MAX_ROWS])]
-    if m <= decode_linear.GATED_PROLOGUE_NORM_MAX_ROWS:  # its own key (STORED_OPERAND), for FUSELM_NORM_OPERAND=1
-        chosen += [(decode_linear._norm_gated_kernel, gate_up, STORED_OPERAND)]
     if m <= decode_linear.LINEAR_RESIDUAL_MAX_ROWS:
         hidden = LLAMA3_8B.heads * LLAMA3_8B.head_dim
         chosen += [(decode_linear._linear_residual_kernel, residual_projection(label, n_in, LLAMA3_8B.hidden, m),
@@ -103,9 +93,6 @@ def main() -> None:
     parser.add_argument("--warmup-ms", type=float, default=50.0,
                         help="replays per config before the timed ones, ms (1000+: under the power cap, as a "
                              "sustained decode runs)")
-    parser.add_argument("--impls", nargs="+", metavar="IMPL",
-                        help=f"only the keys of implementations whose names contain one of these (e.g. 'stored': "
-                             f"'{STORED_OPERAND}'); default every one")
     parser.add_argument("--out", default="benchmarks/results/tune-decode-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -117,8 +104,6 @@ def main() -> None:
     with fuselm.use_backend("triton"):
         for m in args.rows:
             for tuner, projection, impl in cases(m):
-                if args.impls and not any(part in impl for part in args.impls):
-                    continue
                 entry = tune(tuner, projection, impl, args.rep_ms, args.warmup_ms, sampler)
                 tuned += [entry] if entry else []
                 torch.cuda.empty_cache()

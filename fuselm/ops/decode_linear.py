@@ -16,9 +16,7 @@ Two paths on the GPU, picked by M = rows of x (B * T):
   output columns for all M rows (padded to BLOCK_M >= 16 for ``tl.dot``) and streams its weight rows over K,
   so the weights cross HBM once; the norm runs in the prologue (each x tile times the norm weight is the
   operand, the rows' rstd from the same tiles scales the accumulator) and bias, residual, activation, head norm,
-  RoPE and the cache write in the epilogue. With ``FUSELM_NORM_OPERAND=1``, :func:`linear_residual_with_norm_operand`
-  (the o projection) also stores the next norm's operand and its squares (:class:`NormOperand`), and
-  norm_gated_linear reads those instead of x: its loop is then the kernel alone. linear_residual and qkv_rope also
+  RoPE and the cache write in the epilogue. linear_residual and qkv_rope also
   have split-K configs (the autotuner's choice): SPLIT_K programs share a column block, each over a chunk of K,
   and the last to finish sums their fp32 partials in split order and runs the epilogue, in the same launch.
 - larger M (prefill): cuBLAS GEMMs (``torch.addmm`` / ``F.linear``) with fuselm's fused kernels around them.
@@ -37,9 +35,6 @@ keys are shapes only; no host syncs).
 """
 
 from __future__ import annotations
-
-import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,12 +78,6 @@ LINEAR_RESIDUAL_MAX_ROWS = 32
 # runs the norm first: x * weight before the rstd can leave fp16's range (bf16 has fp32's).
 GATED_PROLOGUE_NORM_MAX_ROWS = 32
 QKV_PROLOGUE_NORM_MAX_ROWS = 32
-# The o projection's kernel stores the post-attention norm's operand, x * (norm weight + offset) rounded once, and the
-# sums of x's squares over each SQUARES_GROUP columns; the gate/up kernel then streams that operand straight into its
-# dots and sums BLOCK_K / SQUARES_GROUP partials a tile for the rstd (FUSELM_NORM_OPERAND=1; off until the GPU's A/B)
-NORM_OPERAND_FROM_WRITER = os.environ.get("FUSELM_NORM_OPERAND", "0") == "1"
-SQUARES_GROUP = 16  # the narrowest column block of any streaming config
-_SQUARES_GROUP = tl.constexpr(SQUARES_GROUP)
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
@@ -204,38 +193,6 @@ def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner
 
 
 @triton.jit
-def _stored_operand_tile(x_ptr, squares_ptr, rows, row_ok, start, stride_xm, stride_qm, n_inner, sum_of_squares,
-                         EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """:func:`_operand_tile` where the kernel that wrote x stored it (:func:`_store_norm_operand`): x is the operand
-    itself, and the rows' running sum gains this tile's BLOCK_K / SQUARES_GROUP stored partial sums of squares."""
-    cols = start + tl.arange(0, BLOCK_K)
-    mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (cols[None, :] < n_inner)
-    operand = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    groups = start // _SQUARES_GROUP + tl.arange(0, BLOCK_K // _SQUARES_GROUP)
-    group_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (groups[None, :] * _SQUARES_GROUP < n_inner)
-    partials = tl.load(squares_ptr + rows[:, None] * stride_qm + groups[None, :], mask=group_ok, other=0.0)
-    return operand, sum_of_squares + tl.sum(partials, axis=1)
-
-
-@triton.jit
-def _store_norm_operand(out, norm_weight_ptr, scaled_ptr, squares_ptr, rows, row_ok, cols_n, col_ok, n_out,
-                        stride_sm, stride_qm, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The next RMSNorm's operand of out (fp32 [BLOCK_M, BLOCK_N], the rounded outputs at columns cols_n, which
-    start at program_id(0) * BLOCK_N): out * (norm weight + offset) rounded once into scaled, and the sums of out's
-    squares over each SQUARES_GROUP columns into squares [M, cdiv(N, SQUARES_GROUP)] fp32."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    weight = tl.load(norm_weight_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32) + offset
-    tl.store(scaled_ptr + rows[:, None] * stride_sm + cols_n[None, :],
-             _cast(out * weight[None, :], scaled_ptr.dtype.element_ty), mask=mask)
-    groups_per_block: tl.constexpr = BLOCK_N // _SQUARES_GROUP
-    squares = tl.where(mask, out * out, 0.0)
-    group_sums = tl.sum(tl.reshape(squares, [BLOCK_M, groups_per_block, _SQUARES_GROUP]), axis=2)
-    groups = tl.program_id(0) * groups_per_block + tl.arange(0, groups_per_block)
-    tl.store(squares_ptr + rows[:, None] * stride_qm + groups[None, :], group_sums,
-             mask=row_ok[:, None] & (groups[None, :] * _SQUARES_GROUP < n_out))
-
-
-@triton.jit
 def _scale_by_rstd(acc, sum_of_squares, n_inner, eps, HAS_NORM: tl.constexpr):
     """acc [BLOCK_M, *] times each row's rstd = rsqrt(mean of squares + eps) (acc unchanged without a norm)."""
     if HAS_NORM:
@@ -333,18 +290,16 @@ def _sum_split_partials(partial_ptr, rows, row_ok, cols_n, col_ok, n_rows, n_out
 @autotune(_LINEAR_RESIDUAL_CONFIGS, key=_STREAMING_KEY)
 @triton.jit
 def _linear_residual_kernel(
-    x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, norm_weight_ptr, scaled_ptr, squares_ptr,
-    n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om, stride_sm, stride_qm, offset,
-    HAS_BIAS: tl.constexpr, NORM_OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr,
+    n_rows, n_out, n_inner, stride_xm, stride_wn, stride_rm, stride_om,
+    HAS_BIAS: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (n, s) owns output columns [n * BLOCK_N, +BLOCK_N) of all M rows over K chunk s of SPLIT_K. Streams
     # its BLOCK_N weight rows over the chunk once (every weight byte read by one program) and re-reads x's chunk
     # (M x K / SPLIT_K, from L2). With SPLIT_K = 1 it writes M x BLOCK_N outputs = residual + acc (+ bias), rounded
     # once; otherwise an fp32 M x BLOCK_N partial, and the last program of column block n to take its ticket reads
-    # the SPLIT_K partials back, writes the outputs and resets the ticket. With NORM_OPERAND the writer also stores
-    # the next norm's operand of those outputs (M x BLOCK_N more) and their squares (M x BLOCK_N / 16 fp32).
+    # the SPLIT_K partials back, writes the outputs and resets the ticket.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -376,29 +331,23 @@ def _linear_residual_kernel(
                        other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = _cast(acc, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], out, mask=mask)
-        if NORM_OPERAND:
-            _store_norm_operand(out.to(tl.float32), norm_weight_ptr, scaled_ptr, squares_ptr, rows, row_ok, cols_n,
-                                col_ok, n_out, stride_sm, stride_qm, offset, BLOCK_M, BLOCK_N)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols_n[None, :], _cast(acc, out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # ----------------------------------------------------------------------------------- norm + gate/up kernel
-@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM", "STORED_OPERAND"])
+@autotune(_STREAMING_CONFIGS, key=_STREAMING_KEY + ["HAS_NORM"])
 @triton.jit
 def _norm_gated_kernel(
-    x_ptr, norm_weight_ptr, squares_ptr, gate_ptr, up_ptr, out_ptr,
-    n_rows, n_out, n_inner, stride_xm, stride_qm, stride_gn, stride_un, stride_om, eps, offset,
-    HAS_NORM: tl.constexpr, STORED_OPERAND: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
+    n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
+    HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
     # epilogue. Re-reads x (M x K, from L2) once; with HAS_NORM each x tile times the norm weight is the operand
-    # and the rows' rstd, summed from the same tiles, scales both accumulators after the loop; with STORED_OPERAND
-    # x is that operand already and squares holds its rows' squares, summed per 16 columns (_store_norm_operand), so
-    # the tiles go to the dots as loaded and M x BLOCK_K / 16 fp32 partials a tile give the rstd. Writes M x BLOCK_N.
+    # and the rows' rstd, summed from the same tiles, scales both accumulators after the loop. Writes M x BLOCK_N.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -411,12 +360,8 @@ def _norm_gated_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
-        if STORED_OPERAND:
-            x, sum_of_squares = _stored_operand_tile(x_ptr, squares_ptr, rows, row_ok, start, stride_xm, stride_qm,
-                                                     n_inner, sum_of_squares, EVEN_K, BLOCK_K)
-        else:
-            x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                              sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K)
+        x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K)
         acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner, EVEN_K and EVEN_N),
                         acc_gate)
         acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner, EVEN_K and EVEN_N), acc_up)
@@ -765,18 +710,6 @@ def _unit_stride(weight: Tensor) -> Tensor:
 
 
 def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None) -> Tensor:
-    return _launch_linear_residual(x, weight, residual, bias, None, 0.0)[0]
-
-
-def _linear_residual_norm_operand_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None,
-                                       norm_weight: Tensor, offset: float) -> list[Tensor]:
-    return list(_launch_linear_residual(x, weight, residual, bias, norm_weight, offset))
-
-
-def _launch_linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None,
-                            norm_weight: Tensor | None, offset: float) -> tuple[Tensor, ...]:
-    """The small-M kernel: (out [..., N],) and with ``norm_weight`` [N] the next norm's operand [..., N] and its
-    squares [..., cdiv(N, SQUARES_GROUP)] fp32 too."""
     x2, residual2, weight = as_rows(x), as_rows(residual), _unit_stride(weight)
     (n_rows, n_inner), n_out = x2.shape, weight.shape[0]
     out = new_output(residual.shape, x.dtype, x.device)
@@ -784,41 +717,30 @@ def _launch_linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: T
     # the split-K configs' workspace (static shape: every config fits it) and one ticket per column block
     partials = new_output((MAX_SPLIT_K, n_rows, n_out), torch.float32, x.device)
     tickets = zeroed_counters(x.device, n_out)
-    if norm_weight is None:  # stand-ins, never read or written (the weight, out and the fp32 partials)
-        outputs, norm_weight, scaled2, squares2 = (out,), weight, out2, partials[0]
-    else:
-        scaled = new_output(residual.shape, x.dtype, x.device)
-        squares = new_output((*residual.shape[:-1], triton.cdiv(n_out, SQUARES_GROUP)), torch.float32, x.device)
-        outputs, scaled2, squares2 = (out, scaled, squares), scaled.view(n_rows, n_out), squares.view(n_rows, -1)
     grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     _linear_residual_kernel[grid](
         x2, weight, bias.contiguous() if bias is not None else weight, residual2, out2, partials, tickets,
-        norm_weight.contiguous(), scaled2, squares2,
         n_rows, n_out, n_inner, x2.stride(0), weight.stride(0), residual2.stride(0), out2.stride(0),
-        scaled2.stride(0), squares2.stride(0), offset, HAS_BIAS=bias is not None, NORM_OPERAND=len(outputs) > 1,
-        BLOCK_M=_block_rows(n_rows), **_whole_tiles(_LINEAR_RESIDUAL_CONFIGS, n_inner, n_out),
+        HAS_BIAS=bias is not None, BLOCK_M=_block_rows(n_rows),
+        **_whole_tiles(_LINEAR_RESIDUAL_CONFIGS, n_inner, n_out),
         **dependent_launch(x.device, n_rows, op="linear_residual"))
-    return outputs
+    return out
 
 
 def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
-                            up_weight: Tensor | None, activation: str, offset: float,
-                            squares: Tensor | None = None) -> Tensor:
+                            up_weight: Tensor | None, activation: str, offset: float) -> Tensor:
     """The small-M kernel. No casting argument: with the rstd after the dot, Llama's and Gemma's norms round the
-    operand x * (weight + offset) the same way. With ``squares`` (a :class:`NormOperand`'s), x is that operand's
-    ``scaled``: the kernel reads it as its operand and the rstd from squares."""
+    operand x * (weight + offset) the same way."""
     x2 = as_rows(x)
-    squares2 = x2 if squares is None else as_rows(squares)  # a stand-in, never read, without
     gate, up = (_unit_stride(w) for w in _gate_up_halves(gate_weight, up_weight))
     (n_rows, n_inner), n_out = x2.shape, gate.shape[0]
     out = new_output((*x.shape[:-1], n_out), x.dtype, x.device)
     out2 = out.view(n_rows, n_out)
     grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
     _norm_gated_kernel[grid](
-        x2, norm_weight.contiguous() if norm_weight is not None else x2, squares2, gate, up, out2,
-        n_rows, n_out, n_inner, x2.stride(0), squares2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps,
-        offset, HAS_NORM=norm_weight is not None, STORED_OPERAND=squares is not None, ACTIVATION=activation,
-        BLOCK_M=_block_rows(n_rows),
+        x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
+        n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
+        HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
         **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out),
         **dependent_launch(x.device, n_rows, op="norm_gated_linear"))
     return out
@@ -907,13 +829,7 @@ def _linear_residual_fake(x, weight, residual, bias):
     return residual.new_empty(residual.shape)
 
 
-def _linear_residual_norm_operand_fake(x, weight, residual, bias, norm_weight, offset):
-    squares = residual.new_empty((*residual.shape[:-1], triton.cdiv(residual.shape[-1], SQUARES_GROUP)),
-                                 dtype=torch.float32)
-    return [residual.new_empty(residual.shape), residual.new_empty(residual.shape), squares]
-
-
-def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activation, offset, squares=None):
+def _norm_gated_linear_fake(x, norm_weight, eps, gate_weight, up_weight, activation, offset):
     n_out = gate_weight.shape[0] if up_weight is not None else gate_weight.shape[0] // 2
     return x.new_empty((*x.shape[:-1], n_out))
 
@@ -931,8 +847,6 @@ def _qkv_epilogue_fake(q, k, v, q_norm_weight, k_norm_weight, head_eps, cos, sin
 
 
 LINEAR_RESIDUAL = FusedOp("linear_residual", _linear_residual_impl, fake=_linear_residual_fake)
-LINEAR_RESIDUAL_NORM_OPERAND = FusedOp("linear_residual_norm_operand", _linear_residual_norm_operand_impl,
-                                       fake=_linear_residual_norm_operand_fake)
 NORM_GATED_LINEAR = FusedOp("norm_gated_linear", _norm_gated_linear_impl, fake=_norm_gated_linear_fake)
 QKV_ROPE = FusedOp("qkv_rope", _qkv_rope_impl, fake=_qkv_rope_fake, mutates_args=("k_cache", "v_cache"))
 QKV_EPILOGUE = FusedOp("qkv_rope_epilogue", _qkv_epilogue_impl, fake=_qkv_epilogue_fake,
@@ -977,50 +891,7 @@ def _check_norm(casting: str, norm_weight: Tensor | None, eps: float, offset: fl
     return check_norm_options(eps, offset)
 
 
-def _check_linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None) -> None:
-    check_tensor("x", x)
-    _check_weight("weight", weight, x)
-    check_tensor("residual", residual)
-    check_same("x", x, residual=residual)
-    if residual.shape != (*x.shape[:-1], weight.shape[0]):
-        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {(*x.shape[:-1], weight.shape[0])} "
-                         "(x's leading shape, weight's N)")
-    _check_vector("bias", bias, weight.shape[0], x)
-
-
-def _check_norm_operand(norm_operand: NormOperand, x: Tensor, norm_weight: Tensor | None) -> None:
-    if not isinstance(norm_operand, NormOperand):
-        raise TypeError(f"norm_operand must be a NormOperand (from linear_residual_with_norm_operand), got "
-                        f"{type(norm_operand).__name__}")
-    if norm_weight is None:
-        raise ValueError("norm_operand needs the norm_weight it was made with, got norm_weight=None")
-    check_tensor("norm_operand.scaled", norm_operand.scaled)
-    check_same("x", x, **{"norm_operand.scaled": norm_operand.scaled})
-    check_tensor("norm_operand.squares", norm_operand.squares)
-    check_same_device("x", x, **{"norm_operand.squares": norm_operand.squares})
-    groups = (*x.shape[:-1], triton.cdiv(x.shape[-1], SQUARES_GROUP))
-    if norm_operand.scaled.shape != x.shape or norm_operand.squares.shape != groups:
-        raise ValueError(f"norm_operand has shapes {tuple(norm_operand.scaled.shape)} and "
-                         f"{tuple(norm_operand.squares.shape)}, expected x's {tuple(x.shape)} and {groups}")
-    if norm_operand.squares.dtype != torch.float32:
-        raise TypeError(f"norm_operand.squares must be float32, got {norm_operand.squares.dtype}")
-
-
 # ----------------------------------------------------------------------------------- public API
-class NormOperand(NamedTuple):
-    """What a kernel that wrote x [..., K] stores for the streaming kernel that RMS-norms x next.
-
-    Attributes:
-        scaled: [..., K] in x's dtype, ``(x.float() * (norm_weight.float() + offset)).to(x.dtype)``: that
-            kernel's GEMM operand.
-        squares: [..., cdiv(K, SQUARES_GROUP)] float32, the sums of ``x.float() ** 2`` over each SQUARES_GROUP
-            columns: its rows' rstd, summed a tile at a time.
-    """
-
-    scaled: Tensor
-    squares: Tensor
-
-
 def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None) -> Tensor:
     """``residual + x @ weight.T (+ bias)``: the o or down projection with the residual add in its epilogue.
 
@@ -1036,7 +907,14 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
         to ``LINEAR_RESIDUAL_MAX_ROWS`` rows (where it beats cuBLAS); otherwise, or when an input requires grad,
         that ``torch.addmm`` (then ``+ bias``) runs.
     """
-    _check_linear_residual(x, weight, residual, bias)
+    check_tensor("x", x)
+    _check_weight("weight", weight, x)
+    check_tensor("residual", residual)
+    check_same("x", x, residual=residual)
+    if residual.shape != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {(*x.shape[:-1], weight.shape[0])} "
+                         "(x's leading shape, weight's N)")
+    _check_vector("bias", bias, weight.shape[0], x)
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and weight.shape[0]
             and not _needs_grad(x, weight, residual, bias)):
@@ -1044,38 +922,9 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | 
     return linear_residual_reference(x, weight, residual, bias)
 
 
-def linear_residual_with_norm_operand(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None,
-                                      norm_weight: Tensor, *, offset: float = 0.0
-                                      ) -> tuple[Tensor, NormOperand | None]:
-    """:func:`linear_residual`, and what the :func:`norm_gated_linear` that RMS-norms its output next reads.
-
-    Args:
-        x, weight, residual, bias: as :func:`linear_residual`.
-        norm_weight: [N] the next RMSNorm's weight (any float dtype), x's device.
-        offset: that norm's weight offset (Gemma: 1.0).
-
-    Returns:
-        (out, norm_operand): out [..., N] as :func:`linear_residual` returns it; norm_operand the
-        :class:`NormOperand` of out, stored by the same kernel as it writes out, for
-        ``norm_gated_linear(out, norm_weight, ..., offset=offset, norm_operand=norm_operand)``. None wherever that
-        kernel would not read it (more than ``GATED_PROLOGUE_NORM_MAX_ROWS`` rows, fp16, no streaming kernel), and
-        unless ``FUSELM_NORM_OPERAND=1`` (``NORM_OPERAND_FROM_WRITER``).
-    """
-    _check_linear_residual(x, weight, residual, bias)
-    _check_vector("norm_weight", norm_weight, weight.shape[0], x, same_dtype=False)
-    offset = check_norm_options(0.0, offset)[1]
-    n_rows = x.shape[:-1].numel()
-    if (NORM_OPERAND_FROM_WRITER and runs_triton(x) and 0 < n_rows <= LINEAR_RESIDUAL_MAX_ROWS and x.shape[-1]
-            and weight.shape[0] and _norm_in_prologue(x, n_rows, GATED_PROLOGUE_NORM_MAX_ROWS)
-            and not _needs_grad(x, weight, residual, bias, norm_weight)):
-        out, scaled, squares = LINEAR_RESIDUAL_NORM_OPERAND(x, weight, residual, bias, norm_weight, offset)
-        return out, NormOperand(scaled, squares)
-    return linear_residual(x, weight, residual, bias), None
-
-
 def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
                       up_weight: Tensor | None = None, *, activation: str = "silu", casting: str = "llama",
-                      offset: float = 0.0, norm_operand: NormOperand | None = None) -> Tensor:
+                      offset: float = 0.0) -> Tensor:
     """The gated MLP's first half: ``act(norm(x) @ gate_weight.T) * (norm(x) @ up_weight.T)``.
 
     Args:
@@ -1086,9 +935,6 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
             [2I, K] gate_up weight, gate rows first.
         up_weight: [I, K] or None.
         activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
-        norm_operand: optional :class:`NormOperand` of x with this norm_weight and offset, as
-            :func:`linear_residual_with_norm_operand` stores it: where the streaming kernel runs the norm in its
-            prologue it reads that instead of x. Every path gives the same result within fp32 rounding of the rstd.
 
     Returns:
         [..., I] in x's dtype. Up to ``MAX_STREAMING_ROWS`` rows (and no input requiring grad): one
@@ -1098,8 +944,6 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     eps, offset = _check_norm(casting, norm_weight, eps, offset, x)
-    if norm_operand is not None:
-        _check_norm_operand(norm_operand, x, norm_weight)
     _check_weight("gate_weight", gate_weight, x)
     if up_weight is None:
         if gate_weight.shape[0] % 2:
@@ -1112,10 +956,7 @@ def norm_gated_linear(x: Tensor, norm_weight: Tensor | None, eps: float, gate_we
         return norm_gated_linear_reference(x, norm_weight, eps, gate_weight, up_weight, activation, casting, offset)
     if 0 < n_rows <= MAX_STREAMING_ROWS and not _needs_grad(x, norm_weight, gate_weight, up_weight):
         if norm_weight is not None and not _norm_in_prologue(x, n_rows, GATED_PROLOGUE_NORM_MAX_ROWS):
-            x, norm_weight, norm_operand = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None, None
-        if norm_operand is not None:
-            x, squares = norm_operand
-            return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, offset, squares)
+            x, norm_weight = rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype), None
         return NORM_GATED_LINEAR(x, norm_weight, eps, gate_weight, up_weight, activation, offset)
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps, offset, casting).to(x.dtype)
     if up_weight is None:

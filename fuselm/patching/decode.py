@@ -29,19 +29,12 @@ copy into the cache.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fuselm.ops.attention import decode_attention
-from fuselm.ops.decode_linear import (
-    NormOperand,
-    linear_residual,
-    linear_residual_with_norm_operand,
-    norm_gated_linear,
-    qkv_rope,
-)
+from fuselm.ops.decode_linear import linear_residual, norm_gated_linear, qkv_rope
 from fuselm.ops.glu import gelu_tanh_mul, silu_mul
 from fuselm.ops.rope import rope
 from fuselm.patching.families import AttentionFacts, attention_facts, family_of
@@ -176,47 +169,23 @@ def _project(module: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
     return out if residual is None else residual + out
 
 
-def _project_before_norm(module: nn.Module, x: Tensor, residual: Tensor,
-                         norm: nn.Module) -> tuple[Tensor, NormOperand | None]:
-    """(:func:`_project`'s ``residual + module(x)``, the operand of the fused gate/up kernel that norms it next with
-    ``norm``, stored by the same kernel; None where that kernel does not read one)."""
-    weights, norm_args = plain_linear(module), _norm_args(norm)
-    if weights is None or norm_args is None or weights[0].dtype != x.dtype:
-        return _project(module, x, residual), None
-    (weight, bias), (norm_weight, _, _, offset) = weights, norm_args
-    return linear_residual_with_norm_operand(x, weight, residual, bias, norm_weight, offset=offset)
-
-
-def _gate_up(layer: nn.Module, dtype: torch.dtype) -> tuple[object, list[tuple[Tensor, None]]] | None:
-    """(the MLP's fusion spec, its gate/up (weight, None) pairs) when the fused gate/up kernel can run them on
-    ``dtype`` inputs (plain linears without bias, no hook on the MLP), else None."""
+def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None) -> Tensor | None:
+    """act(gate(norm(x))) * up(norm(x)) for the MLP's down projection (norm None: x is already normed), or None
+    when the gate/up projections are not plain linears (then the caller runs the MLP module)."""
     mlp = layer.mlp
     spec = mlp._fuselm_mlp if isinstance(mlp, FusedGatedMLP) and not hooked(mlp) else None
     if spec is None:
         return None
     weights = [plain_linear(getattr(mlp, name)) for name in spec.inputs]
-    if None in weights or any(w.dtype != dtype or b is not None for w, b in weights):
+    if None in weights or any(w.dtype != x.dtype or b is not None for w, b in weights):
         return None
-    return spec, weights
-
-
-def _mlp_hidden(layer: nn.Module, x: Tensor, norm: nn.Module | None,
-                norm_operand: NormOperand | None = None) -> Tensor | None:
-    """act(gate(norm(x))) * up(norm(x)) for the MLP's down projection (norm None: x is already normed), or None
-    when the gate/up projections are not plain linears (then the caller runs the MLP module). ``norm_operand``:
-    the norm's, from :func:`_project_before_norm`."""
-    gate_up = _gate_up(layer, x.dtype)
-    if gate_up is None:
-        return None
-    spec, weights = gate_up
     norm_args = None if norm is None else _norm_args(norm)
     if norm is not None and norm_args is None:
         x, norm = norm(x), None
     norm_weight, eps, casting, offset = norm_args if norm_args is not None else (None, 0.0, "llama", 0.0)
     up_weight = weights[1][0] if len(weights) == 2 else None
     return norm_gated_linear(x, norm_weight, eps, weights[0][0], up_weight, activation=spec.activation,
-                             casting=casting, offset=offset,
-                             norm_operand=norm_operand if norm_weight is not None else None)
+                             casting=casting, offset=offset)
 
 
 def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cache, position_ids: Tensor | None,
@@ -243,12 +212,8 @@ def decode_step(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, cach
         gated = _mlp_hidden(layer, mlp_in, None)
         out = mlp(mlp_in) if gated is None else _project(getattr(mlp, mlp._fuselm_mlp.output), gated, None)
         return residual + layer.post_feedforward_layernorm(out)
-    if _gate_up(layer, hidden.dtype) is not None:  # the fused gate/up kernel will read the norm's operand
-        residual, norm_operand = _project_before_norm(getattr(attention, facts.output), attended, hidden,
-                                                      layer.post_attention_layernorm)
-    else:
-        residual, norm_operand = _project(getattr(attention, facts.output), attended, hidden), None
-    gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm, norm_operand)
+    residual = _project(getattr(attention, facts.output), attended, hidden)
+    gated = _mlp_hidden(layer, residual, layer.post_attention_layernorm)
     if gated is None:
         return residual + mlp(layer.post_attention_layernorm(residual))
     return _project(getattr(mlp, mlp._fuselm_mlp.output), gated, residual)

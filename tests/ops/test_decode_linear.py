@@ -11,7 +11,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fuselm
 from fuselm.ops import decode_linear
@@ -119,26 +118,16 @@ def test_linear_residual_keeps_autograd():
 
 
 # ----------------------------------------------------------------------------------- norm_gated_linear
-def _norm_operand_of(x, norm_weight, offset):
-    """x's NormOperand as a writer kernel stores it: the operand rounded once, squares summed per 16 columns."""
-    groups = -(-x.shape[-1] // decode_linear.SQUARES_GROUP)
-    squares = F.pad(x.float() ** 2, (0, groups * decode_linear.SQUARES_GROUP - x.shape[-1]))
-    return decode_linear.NormOperand((x.float() * (norm_weight.float() + offset)).to(x.dtype),
-                                     squares.view(*x.shape[:-1], groups, -1).sum(-1))
-
-
 def _check_norm_gated(n_rows, dtype, activation="silu", packed=False, norm="llama", contiguous=True, n_inner=40,
-                      n_out=24, stored=False):
-    """``stored``: pass x's NormOperand, as linear_residual_with_norm_operand stores it."""
+                      n_out=24):
     x = _rows_input(n_rows, n_inner, dtype, contiguous)
     norm_weight = None if norm is None else 1 + 0.1 * randn(n_inner, dtype=dtype)
     casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
     gate_up = randn(2 * n_out, n_inner, dtype=dtype, scale=0.3)
     weights = (gate_up, None) if packed else (gate_up[:n_out].clone(), gate_up[n_out:].clone())
-    norm_operand = _norm_operand_of(x, norm_weight, offset) if stored else None
     with torch.no_grad():
         out = fuselm.norm_gated_linear(x, norm_weight, 1e-5, *weights, activation=activation, casting=casting,
-                                       offset=offset, norm_operand=norm_operand)
+                                       offset=offset)
     expected = norm_gated_linear_reference(x.double(), _double(norm_weight), 1e-5, *map(_double, weights), activation,
                                            casting, offset)
     assert out.dtype == dtype and out.shape == (n_rows, n_out)
@@ -194,66 +183,6 @@ def test_norm_in_prologue_and_norm_first_agree(monkeypatch, case):
     assert len(norms_first) == (0 if in_prologue else 2)
 
 
-# ----------------------------------------------------------------------------------- the norm operand from its writer
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("n_rows", [1, 3, 17, 33])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm", ["llama", "gemma"])
-def test_norm_operand_from_its_writer(monkeypatch, path, n_rows, dtype, norm):
-    """linear_residual_with_norm_operand's out is linear_residual's. Where the gate/up kernel runs the norm in its
-    prologue (Triton, M <= 32, not fp16) it also returns out's NormOperand: scaled is out * (norm weight + offset)
-    rounded once, squares out's squares summed per 16 columns (N = 37: a partial last group), and norm_gated_linear
-    reading them matches float64 and the prologue's result; elsewhere it returns None."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", True)
-    n_inner, n_out, n_gated = 40, 37, 24
-    casting, offset = ("gemma", 1.0) if norm == "gemma" else ("llama", 0.0)
-    x, residual = _rows_input(n_rows, n_inner, dtype), randn(n_rows, n_out, dtype=dtype)
-    weight, bias = randn(n_out, n_inner, dtype=dtype, scale=0.2), randn(n_out, dtype=dtype)
-    norm_weight = 1 + 0.1 * randn(n_out)  # fp32, as a norm's weight may be
-    gate, up = randn(n_gated, n_out, dtype=dtype, scale=0.3), randn(n_gated, n_out, dtype=dtype, scale=0.3)
-    with torch.no_grad():
-        out, norm_operand = decode_linear.linear_residual_with_norm_operand(x, weight, residual, bias, norm_weight,
-                                                                            offset=offset)
-        assert torch.equal(out, fuselm.linear_residual(x, weight, residual, bias))
-        assert (norm_operand is not None) == (path == "triton" and n_rows <= 32 and dtype != torch.float16)
-        if norm_operand is None:
-            return
-        expected = _norm_operand_of(out, norm_weight, offset)
-        assert torch.equal(norm_operand.scaled, expected.scaled)
-        assert norm_operand.squares.dtype == torch.float32
-        assert_close(norm_operand.squares, expected.squares.double(), torch.float32)
-        plain = fuselm.norm_gated_linear(out, norm_weight, 1e-5, gate, up, casting=casting, offset=offset)
-        fed = fuselm.norm_gated_linear(out, norm_weight, 1e-5, gate, up, casting=casting, offset=offset,
-                                       norm_operand=norm_operand)
-    reference = norm_gated_linear_reference(out.double(), norm_weight.double(), 1e-5, gate.double(), up.double(),
-                                            "silu", casting, offset)
-    assert_close(fed, reference, dtype)
-    assert_close(fed, plain.double(), dtype)  # the rstd's sum in another order: within rounding of the prologue's
-
-
-@pytest.mark.parametrize("config", SPLIT_K_CONFIGS)
-def test_norm_operand_under_split_k(monkeypatch, config):
-    """The split-K configs' last program per column block stores the operand and squares of the outputs it writes."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", True)
-    torch.manual_seed(config)
-    x, weight, residual, norm_weight = randn(3, 1100), randn(40, 1100, scale=0.1), randn(3, 40), 1 + randn(40)
-    with fuselm.use_backend("triton"), forced_config(decode_linear._linear_residual_kernel, config), torch.no_grad():
-        out, norm_operand = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, norm_weight)
-        assert torch.equal(out, fuselm.linear_residual(x, weight, residual))
-    expected = _norm_operand_of(out, norm_weight, 0.0)
-    assert torch.equal(norm_operand.scaled, expected.scaled)
-    assert_close(norm_operand.squares, expected.squares.double(), torch.float32)
-
-
-def test_norm_operand_switch(monkeypatch):
-    """NORM_OPERAND_FROM_WRITER off (FUSELM_NORM_OPERAND unset or not 1): no operand, out unchanged."""
-    monkeypatch.setattr(decode_linear, "NORM_OPERAND_FROM_WRITER", False)
-    x, weight, residual = randn(3, 40), randn(24, 40), randn(3, 24)
-    with fuselm.use_backend("triton"), torch.no_grad():
-        out, norm_operand = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, randn(24))
-        assert norm_operand is None and torch.equal(out, fuselm.linear_residual(x, weight, residual))
-
-
 # ----------------------------------------------------------------------------------- shipped tuning tables
 class _LaunchRecorder:
     """Stands in for tuned kernel ``name``: ``kernel[grid](*args, **kwargs)`` records the launch's key as triton's
@@ -273,8 +202,8 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("n_rows", [1, 32])
 def test_decode_projection_launches_key_into_the_shipped_tables(monkeypatch, table, n_rows):
     """The o, down and gate/up launches of a Llama-3-8B decode step (bf16) file keys the GPU's shipped table holds
-    (launch_key, as triton's autotuner builds them), o's with the norm operand too: a launcher that adds or reorders a
-    tensor argument without migrating the tables fails here, not on the GPU as run-time tuning (session 37)."""
+    (launch_key, as triton's autotuner builds them): a launcher that adds or reorders a tensor argument without
+    migrating the tables fails here, not on the GPU as run-time tuning (session 37)."""
     picks = {(p["kernel"], json.dumps(p["key"])) for p in json.loads((TUNING_DIR / table).read_text())["picks"]}
     recorders = [_LaunchRecorder("_linear_residual_kernel"), _LaunchRecorder("_norm_gated_kernel")]
     for recorder in recorders:
@@ -284,12 +213,11 @@ def test_decode_projection_launches_key_into_the_shipped_tables(monkeypatch, tab
     x, residual, norm_weight = (torch.empty(*shape, dtype=bf16) for shape in ((n_rows, hidden),) * 2 + ((hidden,),))
     o_weight, up_weight = torch.empty(hidden, hidden, dtype=bf16), torch.empty(intermediate, hidden, dtype=bf16)
     decode_linear._linear_residual_impl(x, o_weight, residual, None)
-    decode_linear._linear_residual_norm_operand_impl(x, o_weight, residual, None, norm_weight, 0.0)
     decode_linear._linear_residual_impl(torch.empty(n_rows, intermediate, dtype=bf16),
                                         torch.empty(hidden, intermediate, dtype=bf16), residual, None)  # down
     decode_linear._norm_gated_linear_impl(x, norm_weight, 1e-5, up_weight, up_weight, "silu", 0.0)
     launched = [key for recorder in recorders for key in recorder.keys]
-    assert len(launched) == 4
+    assert len(launched) == 3
     assert [key for key in launched if key not in picks] == []
 
 
@@ -421,7 +349,6 @@ def test_whole_tiles_load_without_masks(kernel, config):
             _check_linear_residual(3, torch.float32, True, n_inner=1024, n_out=128)
         elif kernel is decode_linear._norm_gated_kernel:
             _check_norm_gated(3, torch.float32, n_inner=256, n_out=128)
-            _check_norm_gated(3, torch.float32, n_inner=256, n_out=128, stored=True)
         else:
             _check_qkv(3, 1, torch.float32, num_heads=2, head_dim=128, hidden=1024)
 
@@ -509,23 +436,6 @@ def test_projection_bad_input():
         fuselm.norm_gated_linear(x, randn(40), "1e-6", w, w)
     with pytest.raises(ValueError, match="offset"):
         fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, offset=float("nan"))
-    operand = _norm_operand_of(x, randn(40), 0.0)
-    with pytest.raises(TypeError, match="norm_operand"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, norm_operand=tuple(operand))
-    with pytest.raises(ValueError, match="norm_operand"):
-        fuselm.norm_gated_linear(x, None, 1e-6, w, w, norm_operand=operand)
-    with pytest.raises(ValueError, match="norm_operand"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, norm_operand=operand._replace(scaled=randn(3, 39)))
-    with pytest.raises(ValueError, match="norm_operand"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, norm_operand=operand._replace(squares=randn(3, 2)))
-    with pytest.raises(TypeError, match="norm_operand.squares"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, norm_operand=operand._replace(squares=randn(3, 3).half()))
-    with pytest.raises(TypeError, match="norm_operand.scaled"):
-        fuselm.norm_gated_linear(x, randn(40), 1e-6, w, w, norm_operand=operand._replace(scaled=randn(3, 40).half()))
-    with pytest.raises(ValueError, match="norm_weight"):
-        decode_linear.linear_residual_with_norm_operand(x, w, randn(3, 24), None, randn(23))
-    with pytest.raises(ValueError, match="offset"):
-        decode_linear.linear_residual_with_norm_operand(x, w, randn(3, 24), None, randn(24), offset=float("inf"))
 
 
 def test_qkv_epilogue_refuses_q_rows_of_neither_kind():

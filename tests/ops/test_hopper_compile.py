@@ -15,14 +15,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import triton.runtime.interpreter as interpreter
 
 import fuselm
-from fuselm.ops import decode_linear
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
@@ -102,12 +100,6 @@ def _launches_no_config_test_makes():
         with torch.no_grad():
             fuselm.qkv_rope(x, None, 1e-6, *weights, angles.cos(), angles.sin(), *caches, torch.arange(40),
                             num_heads=2, num_kv_heads=1, last_only=True)
-        # the post-attention norm's operand and squares, stored by the o projection's kernel, read by gate/up's
-        x, weight, residual = (torch.randn(*shape, dtype=dtype) for shape in ((3, 32), (48, 32), (3, 48)))
-        with mock.patch.object(decode_linear, "NORM_OPERAND_FROM_WRITER", True), torch.no_grad():
-            out, operand = decode_linear.linear_residual_with_norm_operand(x, weight, residual, None, torch.randn(48))
-            fuselm.norm_gated_linear(out, torch.randn(48), 1e-6, torch.randn(16, 48, dtype=dtype),
-                                     torch.randn(16, 48, dtype=dtype), norm_operand=operand)
 
 
 def _dependent_variants(launches):
@@ -138,8 +130,6 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
     assert recorded >= KERNELS, f"never recorded: {KERNELS - recorded}"  # else they would pass unchecked
     launches = list(recorder.launches.values()) + _dependent_variants(recorder.launches.values())
     assert any(launch["constexprs"].get("Q_LAST_ONLY") for launch in launches)  # the prefill's last-layer epilogue
-    assert any(launch["constexprs"].get("NORM_OPERAND") for launch in launches)  # the norm operand's writer
-    assert any(launch["constexprs"].get("STORED_OPERAND") for launch in launches)  # and its reader
     result = subprocess.run(
         [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(launches),
         capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
