@@ -149,6 +149,28 @@ def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
     _check_norm_gated(n_rows, torch.bfloat16, "gelu_tanh" if norm == "gemma" else "silu", packed, norm)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("n_rows", [1, 5, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("norm", "n_inner"), [("llama", 40), ("gemma", 72), ("llama", 256)])
+def test_norm_gated_linear_with_squares_summed_after_the_loop(monkeypatch, path, n_rows, dtype, norm, n_inner):
+    """DEFERRED_SQUARES (FUSELM_DEFERRED_SQUARES=1): the prologue norm's squares summed per column across K tiles and
+    over the columns after the loop match float64, as the per-tile sum does (K = 40, 72: a partial last tile)."""
+    monkeypatch.setattr(decode_linear, "DEFERRED_SQUARES", True)
+    _check_norm_gated(n_rows, dtype, norm=norm, n_inner=n_inner)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("config", range(len(decode_linear._norm_gated_kernel.configs)))
+def test_deferred_squares_under_every_config(monkeypatch, config):
+    """Every streaming config's tile sides (BLOCK_K 64 to 256, whole and partial K tiles) with DEFERRED_SQUARES."""
+    monkeypatch.setattr(decode_linear, "DEFERRED_SQUARES", True)
+    torch.manual_seed(config)
+    with fuselm.use_backend("triton"), forced_config(decode_linear._norm_gated_kernel, config):
+        for n_inner in (300, 512):
+            _check_norm_gated(3, torch.float32, norm="gemma", contiguous=False, n_inner=n_inner)
+
+
 @contextlib.contextmanager
 def _streaming_at_every_m():
     """The streaming kernels, the prologue norm included, up to MAX_STREAMING_ROWS rows whatever the thresholds."""
