@@ -114,12 +114,13 @@ if [ "${FUSELM_DECODE:-0}" = 1 ]; then
   python3 benchmarks/decode_bench.py --out "$out/decode-h200.json" ${FUSELM_DECODE_ARGS:-} 2>&1 | tee "$out/decode.log"
 fi
 if [ -n "${FUSELM_AB:-}" ]; then  # the layer step under each environment setting of FUSELM_AB, alternating, twice
+  # (FUSELM_AB_RUNS times: 1 where device time is short)
   # e.g. FUSELM_AB="FUSELM_DEPENDENT_MAX_ROWS=8 FUSELM_DEPENDENT_MAX_ROWS=32 FUSELM_DEPENDENT_MAX_ROWS=8,qkv_rope=32"
   # (a limit for every op, then one op's: fuselm/ops/_common.py); FUSELM_AB_LAYER_ARGS go to decode_bench.py (e.g.
   # "--layer-shapes 32x1024": that shape alone, a third of the time); with FUSELM_AB_GENERATE=1 also
   # fuselm.generate at B = 1 and 32 (e2e.py; FUSELM_AB_GENERATE_ARGS go to it, e.g. "--batches 32"), each setting in
   # its own process
-  for run in 1 2; do
+  for run in $(seq "${FUSELM_AB_RUNS:-2}"); do
     for setting in $FUSELM_AB; do
       tag=$(echo "$setting" | tr -c 'A-Za-z0-9_\n' '-' | tr 'A-Z' 'a-z')
       echo "== $setting, run $run"
