@@ -759,7 +759,8 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     _norm_gated_kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
-        HAS_NORM=norm_weight is not None, ACTIVATION=activation, DEFER_SQUARES=DEFERRED_SQUARES,
+        HAS_NORM=norm_weight is not None, ACTIVATION=activation,
+        DEFER_SQUARES=DEFERRED_SQUARES and norm_weight is not None,
         BLOCK_M=_block_rows(n_rows),
         **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out),
         **dependent_launch(x.device, n_rows, op="norm_gated_linear"))

@@ -152,10 +152,11 @@ def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("n_rows", [1, 5, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("norm", "n_inner"), [("llama", 40), ("gemma", 72), ("llama", 256)])
+@pytest.mark.parametrize(("norm", "n_inner"), [("llama", 40), ("gemma", 72), ("llama", 256), (None, 40)])
 def test_norm_gated_linear_with_squares_summed_after_the_loop(monkeypatch, path, n_rows, dtype, norm, n_inner):
     """DEFERRED_SQUARES (FUSELM_DEFERRED_SQUARES=1): the prologue norm's squares summed per column across K tiles and
-    over the columns after the loop match float64, as the per-tile sum does (K = 40, 72: a partial last tile)."""
+    over the columns after the loop match float64, as the per-tile sum does (K = 40, 72: a partial last tile); so
+    does a launch without a norm (which compiles the plain kernel)."""
     monkeypatch.setattr(decode_linear, "DEFERRED_SQUARES", True)
     _check_norm_gated(n_rows, dtype, norm=norm, n_inner=n_inner)
 
