@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -153,13 +152,8 @@ def gate_up_projection(shapes: Shapes, m: int) -> Projection:
         h = fuselm.rms_norm(s["x"], s["norm"], 1e-5)
         return fuselm.silu_mul(F.linear(h, s["gate"]), F.linear(h, s["up"]))
 
-    def deferred(s):  # the prologue norm with FUSELM_DEFERRED_SQUARES=1's kernel, whatever the environment says
-        with mock.patch.object(decode_linear, "DEFERRED_SQUARES", True):
-            return fused(s, "prologue")
-
     return Projection(f"norm_gated_linear {k}->2x{n}", m, make_set,
-                      {**_fused_norm_variants(fused), "fused, squares summed after the loop": deferred,
-                       "cuBLAS + fuselm rms_norm/silu_mul": separate},
+                      {**_fused_norm_variants(fused), "cuBLAS + fuselm rms_norm/silu_mul": separate},
                       2 * n * k * 2, m * k * 2 + k * 2 + m * n * 2)
 
 

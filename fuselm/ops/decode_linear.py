@@ -36,8 +36,6 @@ keys are shapes only; no host syncs).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -80,9 +78,6 @@ LINEAR_RESIDUAL_MAX_ROWS = 32
 # runs the norm first: x * weight before the rstd can leave fp16's range (bf16 has fp32's).
 GATED_PROLOGUE_NORM_MAX_ROWS = 32
 QKV_PROLOGUE_NORM_MAX_ROWS = 32
-# The gate/up kernel's prologue norm sums the squares per column across K tiles and over the columns once after
-# its loop, instead of a sum across threads per K tile (FUSELM_DEFERRED_SQUARES=1; off until the GPU's A/B)
-DEFERRED_SQUARES = os.environ.get("FUSELM_DEFERRED_SQUARES", "0") == "1"
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
@@ -175,15 +170,12 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
 def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
-                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
-                  DEFER_SQUARES: tl.constexpr):
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
 
     Without a norm: x, and the sum unchanged. With one: x * (norm weight + offset) rounded once to the operand
     dtype, and the sum plus this tile's squares; RMSNorm's per-row factor rstd commutes with the dot, so
-    :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K. DEFER_SQUARES: the sum
-    is a [BLOCK_M, BLOCK_K] tile of per-column sums, reduced over its columns once after the loop (no reduction
-    across threads per K tile)."""
+    :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K."""
     if EVEN_K:  # every K tile whole: no column mask
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
     else:
@@ -191,10 +183,7 @@ def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner
                     mask=row_ok[:, None] & (cols[None, :] < n_inner), other=0.0)
     if HAS_NORM:
         x = x.to(tl.float32)
-        if DEFER_SQUARES:
-            sum_of_squares += x * x
-        else:
-            sum_of_squares += tl.sum(x * x, axis=1)
+        sum_of_squares += tl.sum(x * x, axis=1)
         if EVEN_K:
             weight = tl.load(norm_weight_ptr + cols).to(tl.float32) + offset
         else:
@@ -323,7 +312,7 @@ def _linear_residual_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
-                             w_ptr.dtype.element_ty, EVEN_K, False)
+                             w_ptr.dtype.element_ty, EVEN_K)
         acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner, EVEN_K and EVEN_N), acc)
     let_next_kernel_launch(DEPENDENT)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -352,15 +341,13 @@ def _linear_residual_kernel(
 def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
-    HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEFER_SQUARES: tl.constexpr, DEPENDENT: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
     # epilogue. Re-reads x (M x K, from L2) once; with HAS_NORM each x tile times the norm weight is the operand
-    # and the rows' rstd, summed from the same tiles (DEFER_SQUARES: per column, across K tiles, and over the
-    # columns after the loop), scales both accumulators after the loop. Writes M x BLOCK_N.
+    # and the rows' rstd, summed from the same tiles, scales both accumulators after the loop. Writes M x BLOCK_N.
     cols_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols_n < n_out
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -368,23 +355,17 @@ def _norm_gated_kernel(
     _prefetch_weight_rows(gate_ptr, cols_n, col_ok, 0, stride_gn, n_inner, PREFETCH_LINES)
     _prefetch_weight_rows(up_ptr, cols_n, col_ok, 0, stride_un, n_inner, PREFETCH_LINES)
     wait_for_previous_kernel(DEPENDENT)
-    if DEFER_SQUARES:
-        sum_of_squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    else:
-        sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sum_of_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K,
-                                          DEFER_SQUARES)
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K)
         acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner, EVEN_K and EVEN_N),
                         acc_gate)
         acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner, EVEN_K and EVEN_N), acc_up)
     let_next_kernel_launch(DEPENDENT)
-    if DEFER_SQUARES:
-        sum_of_squares = tl.sum(sum_of_squares, axis=1)
     acc_gate = _scale_by_rstd(acc_gate, sum_of_squares, n_inner, eps, HAS_NORM)
     acc_up = _scale_by_rstd(acc_up, sum_of_squares, n_inner, eps, HAS_NORM)
     out_dtype = out_ptr.dtype.element_ty
@@ -540,7 +521,7 @@ def _qkv_rope_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, EVEN_K, False)
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, EVEN_K)
         acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc1)
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc2)
         if HAS_TAIL:
@@ -759,9 +740,7 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     _norm_gated_kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
-        HAS_NORM=norm_weight is not None, ACTIVATION=activation,
-        DEFER_SQUARES=DEFERRED_SQUARES and norm_weight is not None,
-        BLOCK_M=_block_rows(n_rows),
+        HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
         **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out),
         **dependent_launch(x.device, n_rows, op="norm_gated_linear"))
     return out

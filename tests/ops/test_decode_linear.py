@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import fuselm
 from fuselm.ops import decode_linear
@@ -147,29 +148,6 @@ def test_norm_gated_linear_matches_float64(path, n_rows, dtype, activation):
 @pytest.mark.parametrize(("packed", "norm"), [(True, "llama"), (False, "gemma"), (True, None), (False, None)])
 def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
     _check_norm_gated(n_rows, torch.bfloat16, "gelu_tanh" if norm == "gemma" else "silu", packed, norm)
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("n_rows", [1, 5, 32])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("norm", "n_inner"), [("llama", 40), ("gemma", 72), ("llama", 256), (None, 40)])
-def test_norm_gated_linear_with_squares_summed_after_the_loop(monkeypatch, path, n_rows, dtype, norm, n_inner):
-    """DEFERRED_SQUARES (FUSELM_DEFERRED_SQUARES=1): the prologue norm's squares summed per column across K tiles and
-    over the columns after the loop match float64, as the per-tile sum does (K = 40, 72: a partial last tile); so
-    does a launch without a norm (which compiles the plain kernel)."""
-    monkeypatch.setattr(decode_linear, "DEFERRED_SQUARES", True)
-    _check_norm_gated(n_rows, dtype, norm=norm, n_inner=n_inner)
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("config", range(len(decode_linear._norm_gated_kernel.configs)))
-def test_deferred_squares_under_every_config(monkeypatch, config):
-    """Every streaming config's tile sides (BLOCK_K 64 to 256, whole and partial K tiles) with DEFERRED_SQUARES."""
-    monkeypatch.setattr(decode_linear, "DEFERRED_SQUARES", True)
-    torch.manual_seed(config)
-    with fuselm.use_backend("triton"), forced_config(decode_linear._norm_gated_kernel, config):
-        for n_inner in (300, 512):
-            _check_norm_gated(3, torch.float32, norm="gemma", contiguous=False, n_inner=n_inner)
 
 
 @contextlib.contextmanager
@@ -353,6 +331,27 @@ WHOLE_TILE_CASES = [(kernel, i) for kernel in (decode_linear._linear_residual_ke
                                                decode_linear._qkv_rope_split) for i in range(len(kernel.configs))]
 
 
+def _in_dtypes_that_fit(dtypes, check, first_only=False) -> list:
+    """``check(dtype)`` for each of ``dtypes`` (or up to the first that runs, with ``first_only``); the dtypes it ran
+    in. On a GPU, a forced config that needs more shared memory than the GPU has raises ``OutOfResources`` at launch
+    (fp32 doubles a bf16 tile's bytes); triton's autotuner times such a config as inf and never picks it, so that
+    dtype is left out, and the test skips when none fits. The interpreter has no such limit: there it raises."""
+    ran = []
+    for dtype in dtypes:
+        try:
+            check(dtype)
+        except OutOfResources:
+            if DEVICE == "cpu":
+                raise
+            continue
+        ran.append(dtype)
+        if first_only:
+            break
+    if not ran:
+        pytest.skip(f"the forced config needs more shared memory than this GPU has in each of {dtypes}")
+    return ran
+
+
 @pytest.mark.parametrize(("kernel", "config"), WHOLE_TILE_CASES,
                          ids=[f"{k.fn.__name__ if hasattr(k, 'fn') else k}-{i}" for k, i in WHOLE_TILE_CASES])
 def test_whole_tiles_load_without_masks(kernel, config):
@@ -373,7 +372,8 @@ def test_whole_tiles_load_without_masks(kernel, config):
         elif kernel is decode_linear._norm_gated_kernel:
             _check_norm_gated(3, torch.float32, n_inner=256, n_out=128)
         else:
-            _check_qkv(3, 1, torch.float32, num_heads=2, head_dim=128, hidden=1024)
+            _in_dtypes_that_fit((torch.float32, torch.bfloat16), first_only=True,
+                                check=lambda dtype: _check_qkv(3, 1, dtype, num_heads=2, head_dim=128, hidden=1024))
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -402,9 +402,9 @@ def test_qkv_rope_split_k_sums_every_chunk_once(kernel, config):
     torch.manual_seed(config)
     head_norm = kernel is decode_linear._qkv_rope_whole
     with fuselm.use_backend("triton"), forced_config(kernel, config):
-        for dtype in (torch.float32, torch.bfloat16):
-            _check_qkv(1, 3, dtype, head_dim=128, rotary_dim=96, bias=True, head_norm=head_norm, hidden=1100)
-        args, options = _qkv_inputs(2, 1, torch.float32, head_dim=128, head_norm=head_norm, hidden=1100)
+        dtype = _in_dtypes_that_fit((torch.float32, torch.bfloat16), check=lambda dtype: _check_qkv(
+            1, 3, dtype, head_dim=128, rotary_dim=96, bias=True, head_norm=head_norm, hidden=1100))[-1]
+        args, options = _qkv_inputs(2, 1, dtype, head_dim=128, head_norm=head_norm, hidden=1100)
         with torch.no_grad():
             first = fuselm.qkv_rope(*args, **options)
             assert not any(tickets.any() for tickets in counters[first.device])

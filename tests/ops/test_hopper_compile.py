@@ -15,14 +15,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import triton.runtime.interpreter as interpreter
 
 import fuselm
-from fuselm.ops import decode_linear
 from fuselm.ops._common import forced_config
 from tests.conftest import HAS_CUDA
 from tests.ops.test_configs import CONFIG_CHECKS
@@ -126,13 +124,6 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
                 recorder.forced = (kernel.fn, config.num_warps)
                 with forced_config(kernel, index):
                     check()
-        x, norm_weight, gate_up = torch.randn(3, 72, dtype=torch.bfloat16), torch.randn(72), torch.randn(48, 72)
-        kernel = decode_linear._norm_gated_kernel
-        for index, config in enumerate(kernel.configs):  # the gate/up kernel's squares summed after its loop
-            recorder.forced = (kernel.fn, config.num_warps)
-            with (mock.patch.object(decode_linear, "DEFERRED_SQUARES", True), forced_config(kernel, index),
-                  torch.no_grad()):
-                fuselm.norm_gated_linear(x, norm_weight, 1e-5, gate_up.to(torch.bfloat16))
         recorder.forced = (None, None)
         _launches_no_config_test_makes()
     recorded = {launch["kernel"] for launch in recorder.launches.values()}
