@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +81,16 @@ class Projection:
 
 
 def _fused_norm_variants(fused: Callable[[dict, str], object]) -> dict[str, Callable[[dict], object]]:
-    """``fused(s, norm)`` three ways: the kernel's prologue norm, fuselm.rms_norm first, and no norm at all (the
+    """``fused(s, norm)`` four ways: the kernel's prologue norm, the same with its offset compiled in
+    (FUSELM_CONSTANT_OFFSET=1's kernel, whatever the environment says), fuselm.rms_norm first, and no norm at all (the
     kernel alone on x as if a previous kernel had normed it: what moving the norm out of the prologue could save)."""
+
+    def constant_offset(s):
+        with mock.patch.object(decode_linear, "CONSTANT_OFFSET", True):
+            return fused(s, "prologue")
+
     return {"fused, norm in prologue": lambda s: fused(s, "prologue"),
+            "fused, norm in prologue, offset a constant": constant_offset,
             "fused, rms_norm first": lambda s: fused(s, "first"),
             "fused, x normed elsewhere (kernel alone)": lambda s: fused(s, "none")}
 

@@ -1,15 +1,17 @@
 """What each config of the decode step's kernels costs an SM on Hopper, without a GPU.
 
 For every config of qkv_rope's, gate/up's, linear_residual's and decode attention's kernels, at Llama-3-8B's decode
-shapes (bf16, M = B rows of one token; attention over a 1024-position cache), the script records the launch fuselm's
-op makes (under Triton's interpreter, the kernel not run: its arguments, constexprs, warps and stages) and compiles it
-for sm_90a as a GPU launch would be compiled: ints equal to 1 as constants, 16-divisible ints and 16-byte-aligned
-pointers marked divisible (without those marks the loads are neither vectorised nor pipelined and the figures say
-nothing). From ptxas's output it reports per program: registers per thread, stack bytes (spills), shared memory, the
-tensor-core instruction (wgmma is Hopper's asynchronous warp-group MMA; mma is mma.sync), the cp.async copies of the
-software pipeline, and how many programs fit one SM by registers and by shared memory (Hopper: 64 K registers and
-227 KB of shared memory per SM, at most 2048 threads). Static figures, for choosing what to time: they predict
-occupancy and spills, not speed.
+shapes (bf16, M = B rows of one token; attention over a 1024-position cache), the script records the launch fuselm's op
+makes (under Triton's interpreter, the kernel not run: its arguments, constexprs, warps and stages) and compiles it for
+sm_90a as a GPU launch would be compiled: ints equal to 1 as constants, 16-divisible ints and 16-byte-aligned pointers
+marked divisible (without those marks the loads are neither vectorised nor pipelined and the figures say nothing). From
+ptxas's output it reports per program: registers per thread, stack bytes (spills), shared memory, the tensor-core
+instruction (wgmma is Hopper's asynchronous warp-group MMA; mma is mma.sync), the cp.async copies of the software
+pipeline, the stores to shared memory and the barriers in the PTX (a tile that passes through registers to reach the
+mma's operand layout adds a store and a barrier to the loop), and how many programs fit one SM by registers and by
+shared memory (Hopper: 64 K registers and 227 KB of shared memory per SM, at most 2048 threads). Static figures, for
+choosing what to time: they predict occupancy and spills, not speed. Environment settings that change the kernels
+(FUSELM_CONSTANT_OFFSET=1) apply to the recording and go into the JSON.
 
     python benchmarks/kernel_resources.py [--rows 1 32] [--projections o down] [--out kernel-resources.json]
 """
@@ -161,6 +163,7 @@ def resources(launch: dict) -> dict:
     return {"registers": registers, "stack_bytes": stack, "shared_bytes": shared,
             "mma": "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "none",
             "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+            "shared_stores": len(re.findall(r"\bst\.shared", ptx)), "barriers": len(re.findall(r"\bbar\.sync", ptx)),
             "programs_per_sm_by_registers": min(REGISTERS_PER_SM // (max(registers, 1) * threads),
                                                 THREADS_PER_SM // threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // shared if shared else THREADS_PER_SM // threads}
@@ -180,7 +183,7 @@ def compile_all(launches: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'projection':<9} {'M':>3}  {'config':<66} {'regs':>4} {'stack':>5} {'shared KB':>9} {'mma':>5} "
-          f"{'cp.async':>8} {'per SM':>6}")
+          f"{'cp.async':>8} {'st.shared':>9} {'bar.sync':>8} {'per SM':>6}")
     for row in rows:
         config = " ".join(f"{k}={v}" for k, v in row["config"].items())
         if "error" in row:
@@ -188,7 +191,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         per_sm = min(row["programs_per_sm_by_registers"], row["programs_per_sm_by_shared"])
         print(f"{row['projection']:<9} {row['m']:>3}  {config:<66} {row['registers']:>4} {row['stack_bytes']:>5} "
-              f"{row['shared_bytes'] / 1024:>9.1f} {row['mma']:>5} {row['cp_async']:>8} {per_sm:>6}")
+              f"{row['shared_bytes'] / 1024:>9.1f} {row['mma']:>5} {row['cp_async']:>8} {row['shared_stores']:>9} "
+              f"{row['barriers']:>8} {per_sm:>6}")
 
 
 def main() -> None:
@@ -218,6 +222,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "target": "sm_90a", "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "settings": {name: os.environ.get(name, "0") for name in ("FUSELM_CONSTANT_OFFSET",)},
             "method": __doc__, "rows": rows}, indent=1))
 
 

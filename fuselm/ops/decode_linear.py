@@ -36,6 +36,8 @@ keys are shapes only; no host syncs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -78,6 +80,9 @@ LINEAR_RESIDUAL_MAX_ROWS = 32
 # runs the norm first: x * weight before the rstd can leave fp16's range (bf16 has fp32's).
 GATED_PROLOGUE_NORM_MAX_ROWS = 32
 QKV_PROLOGUE_NORM_MAX_ROWS = 32
+# The gate/up and q/k/v kernels' prologue norm adds the norm offset (0 or 1, a family's constant) as a constexpr
+# instead of a run-time argument (FUSELM_CONSTANT_OFFSET=1; off until the GPU's A/B): see _operand_tile
+CONSTANT_OFFSET = os.environ.get("FUSELM_CONSTANT_OFFSET", "0") == "1"
 _GATED_GLU = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 # Triton's interpreter multiplies bf16 dot operands as their raw 16-bit integers and truncates fp32 -> bf16 casts:
 # under it the kernels upcast bf16 dot operands (exact) and round bf16 to nearest even by hand, as a GPU does
@@ -170,12 +175,17 @@ def qkv_rope_reference(x: Tensor, norm_weight: Tensor | None, eps: float, q_weig
 # ----------------------------------------------------------------------------------- kernel helpers
 @triton.jit
 def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner, sum_of_squares, offset,
-                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+                  HAS_NORM: tl.constexpr, OPERAND_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
+                  CONSTANT_OFFSET: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] GEMM operand tile at columns cols, and the rows' running fp32 sum of squares.
 
     Without a norm: x, and the sum unchanged. With one: x * (norm weight + offset) rounded once to the operand
     dtype, and the sum plus this tile's squares; RMSNorm's per-row factor rstd commutes with the dot, so
-    :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K."""
+    :func:`_scale_by_rstd` applies it to the fp32 accumulator once the sum covers all of K. CONSTANT_OFFSET (None,
+    or the offset's value): the offset as a constant. With a run-time offset Triton 3.6 rounds the product in a
+    blocked layout and stores it to shared memory a second time to reach the mma's operand layout, a store and a
+    barrier a K tile; with a constant it multiplies in the operand's layout (static, sm_90a; benchmarks/NOTES.md,
+    gate/up's squares summed after the loop)."""
     if EVEN_K:  # every K tile whole: no column mask
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
     else:
@@ -185,9 +195,13 @@ def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner
         x = x.to(tl.float32)
         sum_of_squares += tl.sum(x * x, axis=1)
         if EVEN_K:
-            weight = tl.load(norm_weight_ptr + cols).to(tl.float32) + offset
+            weight = tl.load(norm_weight_ptr + cols).to(tl.float32)
         else:
-            weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32) + offset
+            weight = tl.load(norm_weight_ptr + cols, mask=cols < n_inner, other=0.0).to(tl.float32)
+        if CONSTANT_OFFSET is None:
+            weight += offset
+        else:
+            weight += CONSTANT_OFFSET
         return _cast(x * weight[None, :], OPERAND_DTYPE), sum_of_squares
     return x.to(OPERAND_DTYPE), sum_of_squares
 
@@ -312,7 +326,7 @@ def _linear_residual_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, _ = _operand_tile(x_ptr, x_ptr, rows, row_ok, cols_k, stride_xm, n_inner, 0.0, 0.0, False,
-                             w_ptr.dtype.element_ty, EVEN_K)
+                             w_ptr.dtype.element_ty, EVEN_K, None)
         acc = _dot(x, _weight_tile(w_ptr, cols_n, col_ok, cols_k, stride_wn, n_inner, EVEN_K and EVEN_N), acc)
     let_next_kernel_launch(DEPENDENT)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -341,8 +355,9 @@ def _linear_residual_kernel(
 def _norm_gated_kernel(
     x_ptr, norm_weight_ptr, gate_ptr, up_ptr, out_ptr,
     n_rows, n_out, n_inner, stride_xm, stride_gn, stride_un, stride_om, eps, offset,
-    HAS_NORM: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, CONSTANT_OFFSET: tl.constexpr, ACTIVATION: tl.constexpr, DEPENDENT: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program owns columns [pid * BLOCK_N, +BLOCK_N) of the I outputs, for all M rows: the same BLOCK_N rows of
     # gate and of up, streamed over K once (2 * BLOCK_N * K weight elements), so act(gate) * up runs in the
@@ -361,7 +376,8 @@ def _norm_gated_kernel(
     for start in range(0, n_inner, BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K)
+                                          sum_of_squares, offset, HAS_NORM, gate_ptr.dtype.element_ty, EVEN_K,
+                                          CONSTANT_OFFSET)
         acc_gate = _dot(x, _weight_tile(gate_ptr, cols_n, col_ok, cols_k, stride_gn, n_inner, EVEN_K and EVEN_N),
                         acc_gate)
         acc_up = _dot(x, _weight_tile(up_ptr, cols_n, col_ok, cols_k, stride_un, n_inner, EVEN_K and EVEN_N), acc_up)
@@ -489,10 +505,10 @@ def _qkv_rope_kernel(
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     eps, head_eps, offset,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr, CAST_NORMED: tl.constexpr,
-    HAS_TAIL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, EVEN_K: tl.constexpr, FULL_HALF: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, CONSTANT_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HEAD_NORM: tl.constexpr,
+    CAST_NORMED: tl.constexpr, HAS_TAIL: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF_HEAD: tl.constexpr, BLOCK_TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+    FULL_HALF: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Program (p, s) owns part p % SPLIT of head slot p // SPLIT (slots: the Hq q heads, then the Hkv k heads, then
     # the Hkv v heads) for all M rows, over K chunk s of SPLIT_K: the rotary pairs (d1, d1 + half) of its part and,
@@ -521,7 +537,8 @@ def _qkv_rope_kernel(
     for start in range(k_lo, tl.minimum(k_lo + chunk, n_inner), BLOCK_K):
         cols_k = start + tl.arange(0, BLOCK_K)
         x, sum_of_squares = _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols_k, stride_xm, n_inner,
-                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, EVEN_K)
+                                          sum_of_squares, offset, HAS_NORM, wq_ptr.dtype.element_ty, EVEN_K,
+                                          CONSTANT_OFFSET)
         acc1 = _dot(x, _weight_tile(w_ptr, rows_first, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc1)
         acc2 = _dot(x, _weight_tile(w_ptr, rows_second, ok1, cols_k, stride_w, n_inner, EVEN_K and FULL_HALF), acc2)
         if HAS_TAIL:
@@ -727,6 +744,12 @@ def _linear_residual_impl(x: Tensor, weight: Tensor, residual: Tensor, bias: Ten
     return out
 
 
+def _constant_offset(offset: float) -> float | None:
+    """The prologue norm's offset as the kernels' CONSTANT_OFFSET constexpr: its value with CONSTANT_OFFSET on
+    (one compiled kernel per value), else None (a run-time argument)."""
+    return offset if CONSTANT_OFFSET else None
+
+
 def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, gate_weight: Tensor,
                             up_weight: Tensor | None, activation: str, offset: float) -> Tensor:
     """The small-M kernel. No casting argument: with the rstd after the dot, Llama's and Gemma's norms round the
@@ -740,7 +763,8 @@ def _norm_gated_linear_impl(x: Tensor, norm_weight: Tensor | None, eps: float, g
     _norm_gated_kernel[grid](
         x2, norm_weight.contiguous() if norm_weight is not None else x2, gate, up, out2,
         n_rows, n_out, n_inner, x2.stride(0), gate.stride(0), up.stride(0), out2.stride(0), eps, offset,
-        HAS_NORM=norm_weight is not None, ACTIVATION=activation, BLOCK_M=_block_rows(n_rows),
+        HAS_NORM=norm_weight is not None, CONSTANT_OFFSET=_constant_offset(offset), ACTIVATION=activation,
+        BLOCK_M=_block_rows(n_rows),
         **_whole_tiles(_STREAMING_CONFIGS, n_inner, n_out),
         **dependent_launch(x.device, n_rows, op="norm_gated_linear"))
     return out
@@ -791,7 +815,8 @@ def _qkv_rope_impl(x: Tensor, norm_weight: Tensor | None, eps: float, q_weight: 
         x2.shape[0], seq_len, x2.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1] // 2, cache_len,
         x2.stride(0), *(w.stride(0) for w in weights),
         *_epilogue_strides(cos, sin, cache_positions, q_out, k_cache, v_cache), eps, head_eps, offset,
-        HAS_NORM=norm_weight is not None, HAS_BIAS=q_bias is not None, HAS_HEAD_NORM=has_head_norm,
+        HAS_NORM=norm_weight is not None, CONSTANT_OFFSET=_constant_offset(offset), HAS_BIAS=q_bias is not None,
+        HAS_HEAD_NORM=has_head_norm,
         CAST_NORMED=casting == "llama", BLOCK_M=_block_rows(x2.shape[0]), **head_blocks,
         EVEN_K=_even_k(_QKV_CONFIGS, x2.shape[1]), FULL_HALF=cos.shape[-1] // 2 == head_blocks["BLOCK_HALF_HEAD"],
         **dependent_launch(x.device, x2.shape[0], op="qkv_rope"))

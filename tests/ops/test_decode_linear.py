@@ -150,6 +150,44 @@ def test_norm_gated_linear_layouts_and_norms(path, n_rows, packed, norm):
     _check_norm_gated(n_rows, torch.bfloat16, "gelu_tanh" if norm == "gemma" else "silu", packed, norm)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("n_rows", [1, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("norm", "n_inner"), [("llama", 40), ("gemma", 72)])
+def test_norm_gated_linear_with_a_constant_offset(monkeypatch, n_rows, dtype, norm, n_inner):
+    """CONSTANT_OFFSET (FUSELM_CONSTANT_OFFSET=1): the prologue norm's offset compiled in as a constant matches
+    float64, as the run-time offset does (Llama's 0, Gemma's 1; K = 40, 72: a partial last tile)."""
+    monkeypatch.setattr(decode_linear, "CONSTANT_OFFSET", True)
+    with fuselm.use_backend("triton"):
+        _check_norm_gated(n_rows, dtype, norm=norm, n_inner=n_inner)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("casting", "head_norm"), [("llama", False), ("gemma", True)])
+def test_qkv_rope_with_a_constant_offset(monkeypatch, dtype, casting, head_norm):
+    """CONSTANT_OFFSET in qkv_rope's prologue norm (the split and whole-head kernels) against float64."""
+    monkeypatch.setattr(decode_linear, "CONSTANT_OFFSET", True)
+    with fuselm.use_backend("triton"):
+        _check_qkv(2, 1, dtype, casting=casting, head_norm=head_norm, hidden=72)
+
+
+@pytest.mark.parametrize("op", ["norm_gated_linear", "qkv_rope"])
+def test_the_constant_offset_is_the_one_the_kernels_add(monkeypatch, op):
+    """A constant one more than the offset moves the Triton kernels' result away from float64 (so the constant, not
+    the run-time offset, reaches the norm), and the switch off passes None (the run-time offset)."""
+    monkeypatch.setattr(decode_linear, "CONSTANT_OFFSET", False)
+    assert decode_linear._constant_offset(1.0) is None
+    monkeypatch.setattr(decode_linear, "CONSTANT_OFFSET", True)
+    assert decode_linear._constant_offset(1.0) == 1.0
+    monkeypatch.setattr(decode_linear, "_constant_offset", lambda offset: offset + 1.0)
+    with fuselm.use_backend("triton"), pytest.raises(AssertionError):
+        if op == "norm_gated_linear":
+            _check_norm_gated(1, torch.float32, norm="gemma")
+        else:
+            _check_qkv(2, 1, torch.float32, casting="gemma")
+
+
 @contextlib.contextmanager
 def _streaming_at_every_m():
     """The streaming kernels, the prologue norm included, up to MAX_STREAMING_ROWS rows whatever the thresholds."""

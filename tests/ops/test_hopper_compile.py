@@ -115,6 +115,15 @@ def _dependent_variants(launches):
     return list(variants.values())
 
 
+def _constant_offset_variants(launches):
+    """Every recorded launch with a prologue norm, its offset compiled in as a constant (FUSELM_CONSTANT_OFFSET=1,
+    off by default): the gate/up and q/k/v kernels under every config they were recorded with."""
+    variants = [{**launch, "constexprs": {**launch["constexprs"], "CONSTANT_OFFSET": 1.0}} for launch in launches
+                if launch["constexprs"].get("HAS_NORM") and "CONSTANT_OFFSET" in launch["constexprs"]]
+    assert {"_norm_gated_kernel", "_qkv_rope_kernel"} <= {launch["kernel"] for launch in variants}
+    return variants
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the real tests compile every launch")
 def test_every_launch_compiles_for_hopper(monkeypatch):
     recorder = LaunchRecorder(monkeypatch)
@@ -128,7 +137,8 @@ def test_every_launch_compiles_for_hopper(monkeypatch):
         _launches_no_config_test_makes()
     recorded = {launch["kernel"] for launch in recorder.launches.values()}
     assert recorded >= KERNELS, f"never recorded: {KERNELS - recorded}"  # else they would pass unchecked
-    launches = list(recorder.launches.values()) + _dependent_variants(recorder.launches.values())
+    launches = (list(recorder.launches.values()) + _dependent_variants(recorder.launches.values())
+                + _constant_offset_variants(recorder.launches.values()))
     assert any(launch["constexprs"].get("Q_LAST_ONLY") for launch in launches)  # the prefill's last-layer epilogue
     result = subprocess.run(
         [sys.executable, "-m", "tests.compile_for_hopper"], input=json.dumps(launches),
