@@ -185,7 +185,7 @@ def _operand_tile(x_ptr, norm_weight_ptr, rows, row_ok, cols, stride_xm, n_inner
     or the offset's value): the offset as a constant. With a run-time offset Triton 3.6 rounds the product in a
     blocked layout and stores it to shared memory a second time to reach the mma's operand layout, a store and a
     barrier a K tile; with a constant it multiplies in the operand's layout (static, sm_90a; benchmarks/NOTES.md,
-    gate/up's squares summed after the loop)."""
+    the norm offset as a constant)."""
     if EVEN_K:  # every K tile whole: no column mask
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
     else:
